@@ -1,0 +1,24 @@
+// Python module `maxattn._maxattn_cpu`: exposes the CPU FFI handlers as
+// capsules for jax.ffi.register_ffi_target.
+#include <nanobind/nanobind.h>
+
+#include "ffi/handlers.h"
+
+namespace nb = nanobind;
+
+namespace {
+template <typename Fn>
+nb::capsule EncapsulateFfiHandler(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+NB_MODULE(_maxattn_cpu, m) {
+  m.doc() = "maxattn CPU backend: XLA FFI handler capsules";
+  m.def("registrations", []() {
+    nb::dict targets;
+    targets["maxattn_attention_fwd_cpu"] = EncapsulateFfiHandler(maxattn::ffi_glue::MaxattnAttentionFwdCpu);
+    targets["maxattn_attention_bwd_cpu"] = EncapsulateFfiHandler(maxattn::ffi_glue::MaxattnAttentionBwdCpu);
+    return targets;
+  });
+}

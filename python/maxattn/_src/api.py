@@ -1,0 +1,176 @@
+"""`maxattn.dot_product_attention`: validation, backend choice, custom VJP."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Literal, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from maxattn._src import backends, reference
+from maxattn._src.config import AttentionConfig, Operands, canonicalize, check_flags
+
+Implementation = Literal["cpu", "cudnn", "xla"]
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _choose_backend(implementation: Optional[str], config: AttentionConfig, ops: Operands) -> Optional[str]:
+    """Returns the backend name, or None for the pure-JAX "xla" path."""
+    if implementation == "xla":
+        return None
+    if implementation is not None:
+        reason = backends.unsupported_reason(implementation, config, ops)
+        if reason is not None:
+            raise ValueError(f'implementation="{implementation}" cannot run this call: {reason}')
+        return implementation
+    preferred = backends.preferred_for_platform(jax.default_backend())
+    if preferred is None:
+        return None
+    reason = backends.unsupported_reason(preferred, config, ops)
+    if reason is None:
+        return preferred
+    _warn_once(f'maxattn: falling back from "{preferred}" to "xla" (which materialises the T x S logits): {reason}')
+    return None
+
+
+@functools.cache
+def _fused(backend: str, config: AttentionConfig, want_lse: bool, want_max: bool):
+    """A custom_vjp function (q, k, v, bias, rest) -> (out, lse, max_logit[B,N])."""
+    impl = backends.get(backend)
+
+    @jax.custom_vjp
+    def fused(q, k, v, bias, rest):
+        return impl.forward(config, Operands(q, k, v, bias, *rest), want_lse, want_max)
+
+    def fused_fwd(q, k, v, bias, rest):
+        ops = Operands(q, k, v, bias, *rest)
+        out, lse, mx = impl.forward(config, ops, True, want_max)
+        return (out, lse if want_lse else None, mx), (ops, out, lse)
+
+    def fused_bwd(residuals, cotangents):
+        ops, out, lse = residuals
+        dout, dlse, _ = cotangents  # max_logit carries no gradient
+        dq, dk, dv, dbias = impl.backward(config, ops, out, lse, dout, dlse if want_lse else None)
+        if dbias is not None:
+            dbias = dbias.astype(ops.bias.dtype)
+        rest_ct = jax.tree.map(lambda _: None, tuple(ops[4:]))
+        return dq, dk, dv, dbias, rest_ct
+
+    fused.defvjp(fused_fwd, fused_bwd)
+    return fused
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: Optional[jax.Array] = None,
+    mask: Optional[jax.Array] = None,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
+    query_seq_lengths: Optional[jax.Array] = None,
+    key_value_seq_lengths: Optional[jax.Array] = None,
+    q_segment_ids: Optional[jax.Array] = None,
+    kv_segment_ids: Optional[jax.Array] = None,
+    local_window_size: Union[int, tuple[int, int], None] = None,
+    logits_soft_cap: Optional[float] = None,
+    implementation: Optional[Implementation] = None,
+    return_max_logit: bool = False,
+    return_lse: bool = False,
+) -> Union[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
+    """Scaled dot-product attention that can also return the per-head max logit and the LSE.
+
+    Computes ``softmax(cap(scale * q @ k^T + bias), masked) @ v`` per head, with
+    the arguments and meanings of ``jax.nn.dot_product_attention`` (layout BTNH).
+
+    Args:
+      query: [B, T, N, H] float32, bfloat16 or float16.
+      key: [B, S, K, H], same dtype; N must be a multiple of K (GQA/MQA:
+        query head n uses kv head n // (N // K)).
+      value: [B, S, K, Hv], same dtype.
+      bias: additive bias applied after scaling, broadcastable to [B, N, T, S].
+        Differentiable.
+      mask: boolean, broadcastable to [B, N, T, S]; True means attend.
+      scale: logit scale; default 1/sqrt(H).
+      is_causal: causal mask.
+      causal_alignment: "top_left" (key j visible to query i iff j <= i) or
+        "bottom_right" (iff j <= i + kv_len - q_len, with the valid lengths
+        when sequence lengths are given). Also sets the diagonal of the window.
+      query_seq_lengths: int [B]; queries at positions >= the length are padding.
+      key_value_seq_lengths: int [B]; keys at positions >= the length are padding.
+      q_segment_ids: int [B, T]; packed sequences, a query attends only keys of
+        the same segment; id 0 marks padding. Requires ``kv_segment_ids`` [B, S].
+      kv_segment_ids: int [B, S].
+      local_window_size: int w (= (w, w)) or (left, right): query i sees keys
+        in [i - left, i + right] (shifted by the alignment's diagonal).
+      logits_soft_cap: c > 0: logits -> c * tanh(logits / c) before softmax.
+      implementation: None (auto: the platform's fused backend when it can run
+        the call, else "xla" with a one-time warning naming the reason),
+        "cpu" (C++ kernels), "cudnn" (GPU) or "xla" (pure JAX reference). An
+        explicitly requested backend that cannot run the call raises ValueError.
+      return_max_logit: also return ``aux["max_logit"]``.
+      return_lse: also return ``aux["lse"]``.
+
+    Returns:
+      ``out`` [B, T, N, Hv] in the input dtype when both return flags are False;
+      otherwise ``(out, aux)`` with the requested keys:
+
+      * ``aux["max_logit"]``: float32 [N]. For each query head n, the maximum of
+        ``scale * <q, k> + bias`` over every batch row and every visible
+        (query, key) pair -- before the soft cap, excluding masked entries;
+        -inf for a head with nothing visible; NaN if a visible logit is NaN.
+        Under vmap the mapped axes come first. No gradient flows through it
+        (its cotangent is ignored).
+      * ``aux["lse"]``: float32 [B, N, T], natural-log log-sum-exp of the
+        (capped) visible logits of each query row; -inf for a fully masked row
+        (whose output is 0). Differentiable.
+
+    Raises:
+      ValueError / TypeError at trace time for invalid arguments, naming the
+      argument and the rule.
+    """
+    check_flags(implementation, return_max_logit, return_lse)
+    config, ops = canonicalize(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        causal_alignment=causal_alignment, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap)
+    backend = _choose_backend(implementation, config, ops)
+
+    if backend is None:
+        out, lse, mx = reference.attention(config, ops)
+        lse = lse.astype(jnp.float32) if lse.dtype != jnp.float64 else lse
+    else:
+        fused = _fused(backend, config, bool(return_lse), bool(return_max_logit))
+        out, lse, mx = fused(ops.query, ops.key, ops.value, ops.bias, tuple(ops[4:]))
+
+    if not (return_max_logit or return_lse):
+        return out
+    aux: dict[str, jax.Array] = {}
+    if return_max_logit:
+        aux["max_logit"] = jax.lax.stop_gradient(jnp.max(mx, axis=0).astype(jnp.float32))
+    if return_lse:
+        aux["lse"] = lse
+    return out, aux
+
+
+def reference_attention(query, key, value, bias=None, mask=None, **kwargs):
+    """``dot_product_attention(..., implementation="xla")``: the pure-JAX oracle.
+
+    Materialises the [B, N, T, S] logits. Accepts float64 inputs (with
+    ``jax_enable_x64``), computing in float64; the test-suite uses it that way.
+    """
+    kwargs["implementation"] = "xla"
+    return dot_product_attention(query, key, value, bias, mask, **kwargs)

@@ -1,0 +1,94 @@
+"""Shared helpers of the Python tests: random inputs, the float64 oracle, tolerances."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import maxattn
+
+# DESIGN.md §3.
+OUT_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
+MAX_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-3, jnp.float16: 1e-3}
+
+
+def x64():
+    """Context manager enabling float64 (spelled differently across jax versions)."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64  # jax < 0.11
+    return enable_x64()
+
+
+def rel_l2(x, ref) -> float:
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    finite = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isfinite(x), finite, err_msg="non-finite entries differ")
+    np.testing.assert_array_equal(x[~finite], ref[~finite], err_msg="infinite entries differ")
+    num = np.linalg.norm((x - ref)[finite])
+    den = np.linalg.norm(ref[finite])
+    return float(num / den) if den > 0 else float(num)
+
+
+def assert_close(x, ref, tol: float, what: str) -> None:
+    err = rel_l2(x, ref)
+    assert err <= tol, f"{what}: rel-L2 error {err:.3g} > {tol:.1g}"
+
+
+def assert_max_logit_close(x, ref, tol: float) -> None:
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert x.shape == ref.shape and x.dtype == np.float64
+    np.testing.assert_array_equal(np.isnan(x), np.isnan(ref), err_msg="NaN pattern of max_logit differs")
+    np.testing.assert_array_equal(np.isneginf(x), np.isneginf(ref), err_msg="-inf pattern of max_logit differs")
+    ok = np.isfinite(ref)
+    rel = np.abs(x[ok] - ref[ok]) / np.maximum(np.abs(ref[ok]), 1e-6)
+    assert rel.size == 0 or rel.max() <= tol, f"max_logit rel error {rel.max():.3g} > {tol:.1g}: {x} vs {ref}"
+
+
+def random_inputs(seed: int, B: int, T: int, S: int, N: int, K: int, H: int, Hv: int, dtype) -> tuple:
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), dtype)
+    k = jnp.asarray(rng.standard_normal((B, S, K, H)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, S, K, Hv)), dtype)
+    return q, k, v
+
+
+def loss_and_grads(fn, q, k, v, bias, ct_out, ct_lse, **kwargs):
+    """out, aux and grads of <out, ct_out> + <finite lse, ct_lse> w.r.t. q, k, v, bias."""
+
+    def f(q, k, v, bias):
+        out, aux = fn(q, k, v, bias, return_max_logit=True, return_lse=True, **kwargs)
+        lse = aux["lse"]
+        lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * ct_lse.astype(lse.dtype))
+        loss = jnp.sum(out.astype(ct_out.dtype) * ct_out) + lse_term
+        return loss, (out, aux)
+
+    argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
+    grads, (out, aux) = jax.grad(f, argnums=argnums, has_aux=True)(q, k, v, bias)
+    return out, aux, grads
+
+
+def reference64(q, k, v, bias, ct_out, ct_lse, **kwargs: Any):
+    """The float64 oracle on the same (rounded) inputs: out, aux, grads as numpy."""
+    with x64():
+        cast = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
+        kw = dict(kwargs)
+        kw.pop("implementation", None)
+        out, aux, grads = loss_and_grads(maxattn.reference, cast(q), cast(k), cast(v), cast(bias),
+                                         cast(ct_out), cast(ct_lse), **kw)
+        return jax.tree.map(np.asarray, (out, aux, grads))
+
+
+@contextlib.contextmanager
+def no_warnings():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
