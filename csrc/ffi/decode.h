@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string_view>
+#include <utility>
 
 #include "ffi/ffi_helpers.h"
 
@@ -50,7 +51,8 @@ struct DecodedCall {
 // Binds the nine common operands and the attributes, in that order.
 template <typename Binding>
 auto BindCommon(Binding binding) {
-  return binding.template Arg<ffi::AnyBuffer>()  // q [B, T, N, H]
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()            // q [B, T, N, H]
       .template Arg<ffi::AnyBuffer>()            // k [B, S, K, H]
       .template Arg<ffi::AnyBuffer>()            // v [B, S, K, Hv]
       .template Arg<ffi::AnyBuffer>()            // bias [b', n', t', s'] or placeholder

@@ -31,7 +31,7 @@ def rel_l2(x, ref) -> float:
     finite = np.isfinite(ref)
     np.testing.assert_array_equal(np.isfinite(x), finite, err_msg="non-finite entries differ")
     np.testing.assert_array_equal(x[~finite], ref[~finite], err_msg="infinite entries differ")
-    num = np.linalg.norm((x - ref)[finite])
+    num = np.linalg.norm(x[finite] - ref[finite])
     den = np.linalg.norm(ref[finite])
     return float(num / den) if den > 0 else float(num)
 

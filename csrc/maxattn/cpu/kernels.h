@@ -1,7 +1,7 @@
 // Hot inner kernels of the CPU backend: a register-blocked GEMM micro-kernel
 // and a vectorisable exp. Everything here is always_inline and target-neutral,
 // so it is compiled once per ISA inside the target("...") entry points of
-// forward.cc / backward.cc (runtime dispatch, see isa.h): the portable build
+// forward.cc / backward.cc (runtime dispatch via DetectIsa): the portable build
 // still runs AVX2 / AVX-512 code on machines that have it.
 #ifndef MAXATTN_CPU_KERNELS_H_
 #define MAXATTN_CPU_KERNELS_H_

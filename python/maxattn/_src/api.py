@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional, Union
 import jax
 import jax.numpy as jnp
 
-from maxattn._src import backends, reference
+from maxattn._src import backends, context_parallel as cp_lib, reference, sharding
 from maxattn._src.config import AttentionConfig, Operands, canonicalize, check_flags
 
 Implementation = Literal["cpu", "cudnn", "xla"]
@@ -43,9 +43,10 @@ def _choose_backend(implementation: Optional[str], config: AttentionConfig, ops:
 
 
 @functools.cache
-def _fused(backend: str, config: AttentionConfig, want_lse: bool, want_max: bool):
+def _fused(backend: str, config: AttentionConfig, want_lse: bool, want_max: bool, cp=None):
     """A custom_vjp function (q, k, v, bias, rest) -> (out, lse, max_logit[B,N])."""
-    impl = backends.get(backend)
+    # Partitioning rules (DP/TP sharding, context parallelism) wrap every backend.
+    impl = sharding.partitioned(sharding.ReferenceBackend if backend == "xla" else backends.get(backend), cp)
 
     @jax.custom_vjp
     def fused(q, k, v, bias, rest):
@@ -88,6 +89,9 @@ def dot_product_attention(
     implementation: Optional[Implementation] = None,
     return_max_logit: bool = False,
     return_lse: bool = False,
+    context_parallel: Optional[Literal["all_gather", "ring"]] = None,
+    context_parallel_axis: Optional[str] = None,
+    load_balanced: bool = False,
 ) -> Union[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
     """Scaled dot-product attention that can also return the per-head max logit and the LSE.
 
@@ -121,6 +125,19 @@ def dot_product_attention(
         explicitly requested backend that cannot run the call raises ValueError.
       return_max_logit: also return ``aux["max_logit"]``.
       return_lse: also return ``aux["lse"]``.
+      context_parallel: None, "all_gather" or "ring": shard attention over the
+        sequence (context parallelism) along mesh axis ``context_parallel_axis``
+        under ``jit``. "all_gather" gathers K/V over that axis (and
+        reduce-scatters dK/dV); "ring" rotates K/V blocks with ppermute and
+        merges partial results through the lse. Supports no mask or causal
+        (top-left, T == S), padding lengths and segment ids; not bias, mask,
+        local window or bottom-right alignment (ValueError). query/key/value
+        should be sharded over the axis on their sequence dimension.
+      context_parallel_axis: the mesh axis name that shards the sequence.
+      load_balanced: the sequence of query/key/value (and segment ids) was
+        permuted with ``maxattn.reorder_for_load_balancing(x, cp_size, axis=1)``
+        (cp_size = size of the cp axis); the outputs (out, lse) are in that same
+        permuted order (undo with ``inverse_reorder_for_load_balancing``).
 
     Returns:
       ``out`` [B, T, N, Hv] in the input dtype when both return flags are False;
@@ -148,19 +165,22 @@ def dot_product_attention(
         kv_segment_ids=kv_segment_ids, local_window_size=local_window_size,
         logits_soft_cap=logits_soft_cap)
     backend = _choose_backend(implementation, config, ops)
+    cp = cp_lib.make_spec(context_parallel, context_parallel_axis, load_balanced)
+    if cp is not None:
+        cp_lib.check_supported(cp, config, ops)
 
-    if backend is None:
+    if backend is None and cp is None:
         out, lse, mx = reference.attention(config, ops)
         lse = lse.astype(jnp.float32) if lse.dtype != jnp.float64 else lse
     else:
-        fused = _fused(backend, config, bool(return_lse), bool(return_max_logit))
+        fused = _fused(backend or "xla", config, bool(return_lse), bool(return_max_logit), cp)
         out, lse, mx = fused(ops.query, ops.key, ops.value, ops.bias, tuple(ops[4:]))
 
     if not (return_max_logit or return_lse):
         return out
     aux: dict[str, jax.Array] = {}
     if return_max_logit:
-        aux["max_logit"] = jax.lax.stop_gradient(jnp.max(mx, axis=0).astype(jnp.float32))
+        aux["max_logit"] = jax.lax.stop_gradient(jnp.max(mx, axis=0, initial=-jnp.inf).astype(jnp.float32))
     if return_lse:
         aux["lse"] = lse
     return out, aux

@@ -68,11 +68,12 @@ def attention(config: AttentionConfig, ops: Operands) -> tuple[jax.Array, jax.Ar
     vis = jnp.broadcast_to(visibility(config, ops), s.shape)
     neg_inf = jnp.asarray(-jnp.inf, ct)
 
-    max_logit = jnp.max(jnp.where(vis, jax.lax.stop_gradient(s), neg_inf), axis=(2, 3))
+    max_logit = jnp.max(jnp.where(vis, jax.lax.stop_gradient(s), neg_inf), axis=(2, 3),
+                        initial=-jnp.inf)
 
     logits = config.softcap * jnp.tanh(s / config.softcap) if config.softcap else s
     masked = jnp.where(vis, logits, neg_inf)
-    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
+    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True, initial=-jnp.inf))
     row_max = jnp.where(row_max == -jnp.inf, jnp.zeros_like(row_max), row_max)
     p = jnp.where(vis, jnp.exp(masked - row_max), jnp.zeros_like(masked))
     denom = jnp.sum(p, axis=-1, keepdims=True)

@@ -109,7 +109,10 @@ def _attention(
     k = _flatten_batch(key, batch_shape, 3)
     v = _flatten_batch(value, batch_shape, 3)
     if mask is not None:
-        mask = _flatten_batch(jnp.asarray(mask), batch_shape, 3)
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_:  # Flax masks (make_causal_mask etc.) are float 0/1
+            mask = mask != 0
+        mask = _flatten_batch(mask, batch_shape, 3)
     if bias is not None:
         bias = _flatten_batch(jnp.asarray(bias), batch_shape, 3)
     kwargs = dict(_kwargs)
@@ -140,7 +143,8 @@ def make_attention_fn(
     deterministic=False, dtype=None, precision=None, module=None,
     is_causal=False)``, with ``query`` [batch..., T, N, H], ``key`` [batch...,
     S, K, H], ``value`` [batch..., S, K, Hv] (N % K == 0 for GQA), ``mask``
-    boolean broadcastable to [batch..., N, T, S] (True = attend) and ``bias``
+    broadcastable to [batch..., N, T, S] (True / nonzero = attend, as in Flax,
+    whose ``make_causal_mask`` returns float 0/1) and ``bias``
     additive, broadcastable likewise. It returns [batch..., T, N, Hv].
     ``precision`` is ignored (maxattn accumulates in float32); ``dtype``, when
     given, casts query/key/value. Attention dropout is not supported: a call

@@ -1,0 +1,155 @@
+// XLA FFI handlers of the cuDNN backend: decode, check, call the core.
+//
+// Same operands and attributes as the CPU handlers (see decode.h), except that
+// a bias (and dbias) has the input dtype, as cuDNN expects. Every failure comes
+// back as an ffi::Error; nothing throws across the FFI boundary.
+#include <cuda_runtime_api.h>
+
+#include <exception>
+#include <string>
+
+#include "ffi/decode.h"
+#include "maxattn/cudnn/cudnn_attention.h"
+
+namespace maxattn::ffi_glue {
+namespace {
+
+constexpr const char* kFwdOp = "maxattn_attention_fwd_cuda";
+constexpr const char* kBwdOp = "maxattn_attention_bwd_cuda";
+
+cudnn::DeviceContext MakeContext(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch) {
+  cudnn::DeviceContext ctx;
+  ctx.device = device;
+  ctx.stream = stream;
+  ctx.allocate = [&scratch](size_t bytes) -> void* {
+    auto p = scratch.Allocate(bytes, 256);
+    return p.has_value() ? *p : nullptr;
+  };
+  return ctx;
+}
+
+ffi::Error ForwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                       ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                       ffi::AnyBuffer q_seq_lengths, ffi::AnyBuffer kv_seq_lengths, ffi::AnyBuffer q_segment_ids,
+                       ffi::AnyBuffer kv_segment_ids, float scale, bool is_causal, bool bottom_right,
+                       int64_t window_left, int64_t window_right, float softcap, bool has_bias, bool has_mask,
+                       bool has_q_seq_lengths, bool has_kv_seq_lengths, bool has_segment_ids,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                       ffi::Result<ffi::AnyBuffer> max_logit) {
+  DecodedCall call;
+  MAXATTN_FFI_RETURN_IF_ERROR(DecodeCall(
+      kFwdOp, {q, k, v, bias, mask, q_seq_lengths, kv_seq_lengths, q_segment_ids, kv_segment_ids},
+      {scale, is_causal, bottom_right, window_left, window_right, softcap, has_bias, has_mask, has_q_seq_lengths,
+       has_kv_seq_lengths, has_segment_ids},
+      q.element_type(), &call));
+  const AttentionShape& s = call.shape;
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kFwdOp, "out", out->element_type(), q.element_type()));
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckDims(kFwdOp, "out", out->dimensions(), {s.batch, s.q_len, s.num_q_heads, s.head_dim_v}));
+  bool want_lse = false, want_max = false;
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckOutput(kFwdOp, "lse", *lse, ffi::DataType::F32, {s.batch, s.num_q_heads, s.q_len}, &want_lse));
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckOutput(kFwdOp, "max_logit", *max_logit, ffi::DataType::F32, {s.batch, s.num_q_heads}, &want_max));
+
+  ForwardOutputs outputs;
+  outputs.out = out->untyped_data();
+  outputs.lse = want_lse ? static_cast<float*>(lse->untyped_data()) : nullptr;
+  outputs.max_logit = want_max ? static_cast<float*>(max_logit->untyped_data()) : nullptr;
+  try {
+    return ToFfiError(cudnn::AttentionForwardCudnn(s, call.options, call.inputs, outputs,
+                                                   MakeContext(stream, device, scratch)));
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string(kFwdOp) + ": " + e.what());
+  }
+}
+
+ffi::Error BackwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                        ffi::AnyBuffer q_seq_lengths, ffi::AnyBuffer kv_seq_lengths, ffi::AnyBuffer q_segment_ids,
+                        ffi::AnyBuffer kv_segment_ids, float scale, bool is_causal, bool bottom_right,
+                        int64_t window_left, int64_t window_right, float softcap, bool has_bias, bool has_mask,
+                        bool has_q_seq_lengths, bool has_kv_seq_lengths, bool has_segment_ids, ffi::AnyBuffer out,
+                        ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::Result<ffi::AnyBuffer> dbias) {
+  DecodedCall call;
+  MAXATTN_FFI_RETURN_IF_ERROR(DecodeCall(
+      kBwdOp, {q, k, v, bias, mask, q_seq_lengths, kv_seq_lengths, q_segment_ids, kv_segment_ids},
+      {scale, is_causal, bottom_right, window_left, window_right, softcap, has_bias, has_mask, has_q_seq_lengths,
+       has_kv_seq_lengths, has_segment_ids},
+      q.element_type(), &call));
+  const AttentionShape& s = call.shape;
+  const ffi::DataType t = q.element_type();
+  const std::vector<int64_t> out_dims = {s.batch, s.q_len, s.num_q_heads, s.head_dim_v};
+  const std::vector<int64_t> lse_dims = {s.batch, s.num_q_heads, s.q_len};
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kBwdOp, "out", out.element_type(), t));
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckDims(kBwdOp, "out", out.dimensions(), out_dims));
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kBwdOp, "dout", dout.element_type(), t));
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckDims(kBwdOp, "dout", dout.dimensions(), out_dims));
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kBwdOp, "lse", lse.element_type(), ffi::DataType::F32));
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckDims(kBwdOp, "lse", lse.dimensions(), lse_dims));
+  bool has_dlse = false;
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckOutput(kBwdOp, "dlse", dlse, ffi::DataType::F32, lse_dims, &has_dlse));
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kBwdOp, "dq", dq->element_type(), t));
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckDims(kBwdOp, "dq", dq->dimensions(), {s.batch, s.q_len, s.num_q_heads, s.head_dim}));
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kBwdOp, "dk", dk->element_type(), t));
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckDims(kBwdOp, "dk", dk->dimensions(), {s.batch, s.kv_len, s.num_kv_heads, s.head_dim}));
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kBwdOp, "dv", dv->element_type(), t));
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckDims(kBwdOp, "dv", dv->dimensions(), {s.batch, s.kv_len, s.num_kv_heads, s.head_dim_v}));
+  bool want_dbias = false;
+  if (has_bias) {
+    const BroadcastDims& b = call.inputs.bias_dims;
+    MAXATTN_FFI_RETURN_IF_ERROR(CheckOutput(kBwdOp, "dbias", *dbias, t, {b.b, b.n, b.t, b.s}, &want_dbias));
+  } else {
+    MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(kBwdOp, "dbias", *dbias, false, t, {}));
+  }
+
+  BackwardInputs saved;
+  saved.out = out.untyped_data();
+  saved.dout = dout.untyped_data();
+  saved.lse = static_cast<const float*>(lse.untyped_data());
+  saved.dlse = has_dlse ? static_cast<const float*>(dlse.untyped_data()) : nullptr;
+  BackwardOutputs grads;
+  grads.dq = dq->untyped_data();
+  grads.dk = dk->untyped_data();
+  grads.dv = dv->untyped_data();
+  grads.dbias = want_dbias ? static_cast<float*>(dbias->untyped_data()) : nullptr;  // input dtype, see header
+  try {
+    return ToFfiError(cudnn::AttentionBackwardCudnn(s, call.options, call.inputs, saved, grads,
+                                                    MakeContext(stream, device, scratch)));
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string(kBwdOp) + ": " + e.what());
+  }
+}
+
+template <typename Binding>
+auto BindContext(Binding binding) {
+  return binding.template Ctx<ffi::PlatformStream<cudaStream_t>>()  // the call's CUDA stream
+      .template Ctx<ffi::DeviceOrdinal>()                           // the call's device
+      .template Ctx<ffi::ScratchAllocator>();                       // cuDNN workspace and statistics
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionFwdCuda, ForwardImpl,
+                              BindCommon(BindContext(ffi::Ffi::Bind()))
+                                  .Ret<ffi::AnyBuffer>()   // out [B, T, N, Hv]
+                                  .Ret<ffi::AnyBuffer>()   // lse [B, N, T] f32, or [0]
+                                  .Ret<ffi::AnyBuffer>()); // max_logit [B, N] f32, or [0]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionBwdCuda, BackwardImpl,
+                              BindCommon(BindContext(ffi::Ffi::Bind()))
+                                  .Arg<ffi::AnyBuffer>()   // out [B, T, N, Hv]
+                                  .Arg<ffi::AnyBuffer>()   // dout [B, T, N, Hv]
+                                  .Arg<ffi::AnyBuffer>()   // lse [B, N, T] f32
+                                  .Arg<ffi::AnyBuffer>()   // dlse: must be [0] (folded into out/dout/v by Python)
+                                  .Ret<ffi::AnyBuffer>()   // dq
+                                  .Ret<ffi::AnyBuffer>()   // dk
+                                  .Ret<ffi::AnyBuffer>()   // dv
+                                  .Ret<ffi::AnyBuffer>()); // dbias like bias (input dtype), or [0]
+
+}  // namespace maxattn::ffi_glue

@@ -1,0 +1,281 @@
+// Forward and backward of the cuDNN backend: graph choice, workspace,
+// execution and the epilogue kernels. See cudnn_attention.h.
+#include "maxattn/cudnn/cudnn_attention.h"
+
+#include <string>
+#include <unordered_map>
+
+#include <cudnn.h>
+#include <cudnn_frontend.h>
+
+#include "maxattn/cudnn/kernels.h"
+#include "maxattn/cudnn/sdpa_graph.h"
+
+namespace maxattn::cudnn {
+namespace {
+
+constexpr size_t kStatsWithMaxVersion = 92100;
+
+Status CudaStatus(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status::Ok();
+  return Status::Internal(std::string(what) + " failed: " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+}
+
+// Makes `device` current for the calling thread while in scope.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
+      status_ = cudaSetDevice(device);
+      switched_ = status_ == cudaSuccess;
+    }
+  }
+  ~DeviceScope() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  bool switched_ = false;
+  cudaError_t status_ = cudaSuccess;
+};
+
+Status CheckSupported(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs) {
+  if (inputs.dtype == DType::kFloat32) {
+    return Status::Unimplemented("the cudnn backend supports bfloat16 and float16 inputs, got float32");
+  }
+  if (options.softcap > 0.0f) return Status::Unimplemented("the cudnn backend does not support logits_soft_cap");
+  if (inputs.mask) return Status::Unimplemented("the cudnn backend does not support a dense boolean mask");
+  if (inputs.q_segment_ids || inputs.kv_segment_ids) {
+    return Status::Unimplemented("the cudnn backend does not support segment ids");
+  }
+  if ((inputs.q_seq_lengths == nullptr) != (inputs.kv_seq_lengths == nullptr)) {
+    return Status::InvalidArgument("the cudnn backend needs q_seq_lengths and kv_seq_lengths together");
+  }
+  if (inputs.bias && (inputs.bias_dims.t != shape.q_len || inputs.bias_dims.s != shape.kv_len)) {
+    return Status::InvalidArgument("the cudnn backend needs a bias of shape [b', n', T, S]");
+  }
+  return Status::Ok();
+}
+
+RowGeometry Geometry(const AttentionShape& s, const AttentionOptions& o, const AttentionInputs& in) {
+  RowGeometry g;
+  g.batch = static_cast<int32_t>(s.batch);
+  g.heads = static_cast<int32_t>(s.num_q_heads);
+  g.q_len = static_cast<int32_t>(s.q_len);
+  g.kv_len = static_cast<int32_t>(s.kv_len);
+  g.q_seq_lengths = in.q_seq_lengths;
+  g.kv_seq_lengths = in.kv_seq_lengths;
+  g.causal = o.causal;
+  g.bottom_right = o.alignment == CausalAlignment::kBottomRight;
+  g.window_left = o.window_left;
+  g.window_right = o.window_right;
+  return g;
+}
+
+// Bump allocator over one scratch allocation (the FFI scratch allocator is
+// asked once per call).
+class Scratch {
+ public:
+  void Reserve(int64_t bytes) { total_ += Round(bytes); }
+  Status Allocate(const DeviceContext& ctx) {
+    if (total_ == 0) return Status::Ok();
+    base_ = static_cast<char*>(ctx.allocate(static_cast<size_t>(total_)));
+    if (!base_) {
+      return Status::Internal("could not allocate " + std::to_string(total_) + " bytes of cuDNN scratch memory");
+    }
+    return Status::Ok();
+  }
+  void* Take(int64_t bytes) {
+    if (bytes == 0) return nullptr;
+    void* p = base_ + used_;
+    used_ += Round(bytes);
+    return p;
+  }
+
+ private:
+  static int64_t Round(int64_t b) { return (b + 255) / 256 * 256; }
+  char* base_ = nullptr;
+  int64_t total_ = 0, used_ = 0;
+};
+
+Status Execute(const BuiltGraph& built, cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack,
+               void* workspace) {
+  auto err = built.graph->execute(handle, pack, workspace);
+  if (!err.is_good()) return Status::Internal("cuDNN SDPA execution failed: " + err.get_message());
+  return Status::Ok();
+}
+
+}  // namespace
+
+size_t RuntimeVersion() { return cudnnGetVersion(); }
+
+bool SupportsStatsWithMax() { return RuntimeVersion() >= kStatsWithMaxVersion; }
+
+Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions& options,
+                             const AttentionInputs& inputs, const ForwardOutputs& outputs,
+                             const DeviceContext& ctx) {
+  MAXATTN_RETURN_IF_ERROR(CheckSupported(shape, options, inputs));
+  DeviceScope scope(ctx.device);
+  MAXATTN_RETURN_IF_ERROR(CudaStatus(scope.status(), "cudaSetDevice"));
+  if (shape.batch == 0 || shape.q_len == 0 || shape.num_q_heads == 0) return Status::Ok();
+
+  const bool want_lse = outputs.lse != nullptr;
+  const bool want_max = outputs.max_logit != nullptr;
+  GraphSpec spec;
+  spec.dtype = inputs.dtype;
+  spec.shape = shape;
+  spec.scale = options.scale;
+  spec.has_bias = inputs.bias != nullptr;
+  spec.bias_dims = inputs.bias_dims;
+  MAXATTN_RETURN_IF_ERROR(PlanMasks(shape, options, inputs.q_seq_lengths != nullptr, spec.has_bias, &spec.masks));
+  if (!want_max) spec.stats = want_lse ? StatsMode::kStats : StatsMode::kNone;
+  else spec.stats = SupportsStatsWithMax() ? StatsMode::kStatsMax : StatsMode::kMaxSumExp;
+
+  std::unique_ptr<HandleLease> lease;
+  MAXATTN_RETURN_IF_ERROR(HandleLease::Acquire(ctx.device, ctx.stream, &lease));
+  std::shared_ptr<const BuiltGraph> built;
+  MAXATTN_RETURN_IF_ERROR(GetGraph(spec, ctx.device, lease->handle(), &built));
+
+  const int64_t rows_bytes = shape.batch * shape.num_q_heads * shape.q_len * static_cast<int64_t>(sizeof(float));
+  const bool need_max_rows = spec.stats == StatsMode::kMaxSumExp || spec.stats == StatsMode::kStatsMax;
+  const bool need_sum_exp = spec.stats == StatsMode::kMaxSumExp;
+  const bool need_stats_scratch = spec.stats == StatsMode::kStatsMax && !want_lse;
+  Scratch scratch;
+  scratch.Reserve(built->workspace_bytes);
+  if (need_max_rows) scratch.Reserve(rows_bytes);
+  if (need_sum_exp) scratch.Reserve(rows_bytes);
+  if (need_stats_scratch) scratch.Reserve(rows_bytes);
+  MAXATTN_RETURN_IF_ERROR(scratch.Allocate(ctx));
+  void* workspace = scratch.Take(built->workspace_bytes);
+  float* row_max = need_max_rows ? static_cast<float*>(scratch.Take(rows_bytes)) : nullptr;
+  float* sum_exp = need_sum_exp ? static_cast<float*>(scratch.Take(rows_bytes)) : nullptr;
+  float* stats = need_stats_scratch ? static_cast<float*>(scratch.Take(rows_bytes)) : outputs.lse;
+
+  std::unordered_map<int64_t, void*> pack = {
+      {kUidQ, const_cast<void*>(inputs.q)},
+      {kUidK, const_cast<void*>(inputs.k)},
+      {kUidV, const_cast<void*>(inputs.v)},
+      {kUidO, outputs.out},
+  };
+  if (spec.has_bias) pack[kUidBias] = const_cast<float*>(inputs.bias);
+  if (spec.masks.padding) {
+    pack[kUidSeqLenQ] = const_cast<int32_t*>(inputs.q_seq_lengths);
+    pack[kUidSeqLenKv] = const_cast<int32_t*>(inputs.kv_seq_lengths);
+  }
+  if (spec.stats == StatsMode::kStats || spec.stats == StatsMode::kStatsMax) pack[kUidStats] = stats;
+  if (need_max_rows) pack[kUidMax] = row_max;
+  if (need_sum_exp) pack[kUidSumExp] = sum_exp;
+  MAXATTN_RETURN_IF_ERROR(Execute(*built, lease->handle(), pack, workspace));
+
+  const RowGeometry geometry = Geometry(shape, options, inputs);
+  const bool empty_rows = geometry.MayHaveEmptyRows();
+  if (need_sum_exp || want_max || empty_rows) {
+    FinalizeArgs args;
+    args.geometry = geometry;
+    args.row_max = row_max;
+    args.sum_exp = sum_exp;
+    args.lse = outputs.lse;
+    args.max_logit = outputs.max_logit;
+    args.out = empty_rows ? outputs.out : nullptr;
+    args.head_dim_v = static_cast<int32_t>(shape.head_dim_v);
+    MAXATTN_RETURN_IF_ERROR(CudaStatus(LaunchFinalizeForward(args, ctx.stream), "maxattn finalize kernel launch"));
+  }
+  return Status::Ok();
+}
+
+Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOptions& options,
+                              const AttentionInputs& inputs, const BackwardInputs& saved,
+                              const BackwardOutputs& grads, const DeviceContext& ctx) {
+  MAXATTN_RETURN_IF_ERROR(CheckSupported(shape, options, inputs));
+  if (saved.dlse != nullptr) {
+    return Status::InvalidArgument("the cudnn backward takes no dlse (fold it into an extra value column)");
+  }
+  DeviceScope scope(ctx.device);
+  MAXATTN_RETURN_IF_ERROR(CudaStatus(scope.status(), "cudaSetDevice"));
+  const int64_t elem = 2;
+  const int64_t dq_bytes = shape.batch * shape.q_len * shape.num_q_heads * shape.head_dim * elem;
+  const int64_t dk_bytes = shape.batch * shape.kv_len * shape.num_kv_heads * shape.head_dim * elem;
+  const int64_t dv_bytes = shape.batch * shape.kv_len * shape.num_kv_heads * shape.head_dim_v * elem;
+  if (shape.batch == 0 || shape.q_len == 0 || shape.kv_len == 0 || shape.num_q_heads == 0) {
+    // Nothing attends: every gradient is zero.
+    MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(grads.dq, 0, dq_bytes, ctx.stream), "cudaMemsetAsync"));
+    MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(grads.dk, 0, dk_bytes, ctx.stream), "cudaMemsetAsync"));
+    MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(grads.dv, 0, dv_bytes, ctx.stream), "cudaMemsetAsync"));
+    if (grads.dbias && inputs.bias) {
+      const BroadcastDims& d = inputs.bias_dims;
+      MAXATTN_RETURN_IF_ERROR(
+          CudaStatus(cudaMemsetAsync(grads.dbias, 0, d.b * d.n * d.t * d.s * elem, ctx.stream), "cudaMemsetAsync"));
+    }
+    return Status::Ok();
+  }
+
+  GraphSpec spec;
+  spec.backward = true;
+  spec.dtype = inputs.dtype;
+  spec.shape = shape;
+  spec.scale = options.scale;
+  spec.has_bias = inputs.bias != nullptr;
+  spec.bias_dims = inputs.bias_dims;
+  spec.want_dbias = spec.has_bias && grads.dbias != nullptr;
+  MAXATTN_RETURN_IF_ERROR(PlanMasks(shape, options, inputs.q_seq_lengths != nullptr, spec.has_bias, &spec.masks));
+
+  std::unique_ptr<HandleLease> lease;
+  MAXATTN_RETURN_IF_ERROR(HandleLease::Acquire(ctx.device, ctx.stream, &lease));
+  std::shared_ptr<const BuiltGraph> built;
+  MAXATTN_RETURN_IF_ERROR(GetGraph(spec, ctx.device, lease->handle(), &built));
+
+  const RowGeometry geometry = Geometry(shape, options, inputs);
+  const bool empty_rows = geometry.MayHaveEmptyRows();
+  const int64_t rows_bytes = shape.batch * shape.num_q_heads * shape.q_len * static_cast<int64_t>(sizeof(float));
+  Scratch scratch;
+  scratch.Reserve(built->workspace_bytes);
+  if (empty_rows) scratch.Reserve(rows_bytes);
+  MAXATTN_RETURN_IF_ERROR(scratch.Allocate(ctx));
+  void* workspace = scratch.Take(built->workspace_bytes);
+  const float* lse = saved.lse;
+  if (empty_rows) {
+    float* fixed = static_cast<float*>(scratch.Take(rows_bytes));
+    MAXATTN_RETURN_IF_ERROR(
+        CudaStatus(LaunchBackwardLse(geometry, saved.lse, fixed, ctx.stream), "maxattn lse kernel launch"));
+    lse = fixed;
+  }
+
+  std::unordered_map<int64_t, void*> pack = {
+      {kUidQ, const_cast<void*>(inputs.q)},   {kUidK, const_cast<void*>(inputs.k)},
+      {kUidV, const_cast<void*>(inputs.v)},   {kUidO, const_cast<void*>(saved.out)},
+      {kUidDO, const_cast<void*>(saved.dout)}, {kUidStats, const_cast<float*>(lse)},
+      {kUidDQ, grads.dq},                      {kUidDK, grads.dk},
+      {kUidDV, grads.dv},
+  };
+  if (spec.has_bias) pack[kUidBias] = const_cast<float*>(inputs.bias);
+  if (spec.want_dbias) pack[kUidDBias] = grads.dbias;
+  if (spec.masks.padding) {
+    pack[kUidSeqLenQ] = const_cast<int32_t*>(inputs.q_seq_lengths);
+    pack[kUidSeqLenKv] = const_cast<int32_t*>(inputs.kv_seq_lengths);
+  }
+  MAXATTN_RETURN_IF_ERROR(Execute(*built, lease->handle(), pack, workspace));
+
+  if (spec.masks.padding) {
+    // Padded query/key rows take no part in the result: their gradients are zero.
+    const int32_t b = static_cast<int32_t>(shape.batch);
+    MAXATTN_RETURN_IF_ERROR(CudaStatus(
+        LaunchZeroPaddedRows(grads.dq, b, static_cast<int32_t>(shape.q_len), shape.num_q_heads * shape.head_dim,
+                             inputs.q_seq_lengths, ctx.stream),
+        "maxattn zero-rows kernel launch"));
+    MAXATTN_RETURN_IF_ERROR(CudaStatus(
+        LaunchZeroPaddedRows(grads.dk, b, static_cast<int32_t>(shape.kv_len), shape.num_kv_heads * shape.head_dim,
+                             inputs.kv_seq_lengths, ctx.stream),
+        "maxattn zero-rows kernel launch"));
+    MAXATTN_RETURN_IF_ERROR(CudaStatus(
+        LaunchZeroPaddedRows(grads.dv, b, static_cast<int32_t>(shape.kv_len), shape.num_kv_heads * shape.head_dim_v,
+                             inputs.kv_seq_lengths, ctx.stream),
+        "maxattn zero-rows kernel launch"));
+  }
+  return Status::Ok();
+}
+
+}  // namespace maxattn::cudnn

@@ -1,0 +1,60 @@
+// cuDNN backend of the maxattn core: fused SDPA through cudnn-frontend.
+//
+// Framework-free like the CPU backend: callers (csrc/ffi/cuda_handlers.cc)
+// pass device pointers, the CUDA stream, the device ordinal and a workspace
+// allocator. Layouts are those of attention.h, with two differences that the
+// Python side (python/maxattn/_src/cudnn.py) arranges:
+//   * bias is in the input dtype (bf16/fp16), not float32, with dims
+//     [b', n', T, S] (b' in {1, B}, n' in {1, N}); dbias likewise.
+//   * q_seq_lengths and kv_seq_lengths are both present or both absent.
+// Not supported here (the Python backend refuses them before any call):
+// float32, soft cap, dense boolean mask, segment ids.
+//
+// Outputs follow the contract of attention.h: rows with no visible key get
+// out = 0 and lse = -inf and are left out of max_logit, which is reduced to
+// [B, N] on the GPU.
+#ifndef MAXATTN_CUDNN_CUDNN_ATTENTION_H_
+#define MAXATTN_CUDNN_CUDNN_ATTENTION_H_
+
+#include <cstddef>
+#include <functional>
+
+#include <cuda_runtime_api.h>
+
+#include "maxattn/attention.h"
+
+namespace maxattn::cudnn {
+
+// Where and how one call runs.
+struct DeviceContext {
+  int device = 0;                 // CUDA device ordinal
+  cudaStream_t stream = nullptr;  // all work is enqueued here; nothing synchronises
+  // Returns `bytes` of device memory valid until the stream reaches the end of
+  // this call, or nullptr when out of memory. Called at most a few times per call.
+  std::function<void*(size_t bytes)> allocate;
+};
+
+// The effective cuDNN version at run time (cudnnGetVersion(), e.g. 91900).
+size_t RuntimeVersion();
+
+// True when the SDPA node can emit Stats and Max together (cuDNN >= 9.21);
+// below that the backend requests Max and Sum_exp and computes
+// lse = Max + log(Sum_exp) in its own kernel.
+bool SupportsStatsWithMax();
+
+// outputs.lse / outputs.max_logit may be null (not requested): a call that
+// requests neither runs the plain graph without softmax statistics.
+Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions& options,
+                             const AttentionInputs& inputs, const ForwardOutputs& outputs,
+                             const DeviceContext& ctx);
+
+// saved.lse is required; saved.dlse must be null (the Python side folds a
+// non-zero lse cotangent into an extra value column). grads.dbias (input
+// dtype, dims of the bias) is written when non-null.
+Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOptions& options,
+                              const AttentionInputs& inputs, const BackwardInputs& saved,
+                              const BackwardOutputs& grads, const DeviceContext& ctx);
+
+}  // namespace maxattn::cudnn
+
+#endif  // MAXATTN_CUDNN_CUDNN_ATTENTION_H_

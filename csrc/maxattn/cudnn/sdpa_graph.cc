@@ -1,0 +1,314 @@
+#include "maxattn/cudnn/sdpa_graph.h"
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+#include <cudnn_frontend.h>
+
+namespace maxattn::cudnn {
+namespace fe = cudnn_frontend;
+
+namespace {
+
+Status FromFe(const fe::error_t& err, const char* what) {
+  if (err.is_good()) return Status::Ok();
+  std::string message = std::string("cuDNN ") + what + " failed: " + err.get_message();
+  if (err.get_code() == fe::error_code_t::GRAPH_NOT_SUPPORTED) return Status::Unimplemented(message);
+  return Status::Internal(message);
+}
+
+#define MAXATTN_FE_RETURN_IF_ERROR(expr, what) MAXATTN_RETURN_IF_ERROR(FromFe((expr), what))
+
+fe::DataType_t IoType(DType dtype) {
+  return dtype == DType::kFloat16 ? fe::DataType_t::HALF : fe::DataType_t::BFLOAT16;
+}
+
+// [B, L, heads, dim] row-major buffer seen as cuDNN's [B, heads, L, dim].
+std::shared_ptr<fe::graph::Tensor_attributes> BthdTensor(fe::graph::Graph& g, const char* name, int64_t uid,
+                                                         int64_t b, int64_t l, int64_t heads, int64_t dim) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({b, heads, l, dim})
+                      .set_stride({l * heads * dim, dim, heads * dim, 1}));
+}
+
+void SetBthd(const std::shared_ptr<fe::graph::Tensor_attributes>& t, const char* name, int64_t uid, int64_t b,
+             int64_t l, int64_t heads, int64_t dim) {
+  t->set_output(true).set_name(name).set_uid(uid).set_dim({b, heads, l, dim}).set_stride(
+      {l * heads * dim, dim, heads * dim, 1});
+}
+
+// [B, N, T, 1] float32 row statistics (lse layout [B, N, T]).
+std::shared_ptr<fe::graph::Tensor_attributes> RowStats(fe::graph::Graph& g, const char* name, int64_t uid,
+                                                       const AttentionShape& s) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({s.batch, s.num_q_heads, s.q_len, 1})
+                      .set_stride({s.num_q_heads * s.q_len, s.q_len, 1, 1})
+                      .set_data_type(fe::DataType_t::FLOAT));
+}
+
+std::shared_ptr<fe::graph::Tensor_attributes> BiasLike(fe::graph::Graph& g, const char* name, int64_t uid,
+                                                       const BroadcastDims& d) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({d.b, d.n, d.t, d.s})
+                      .set_stride({d.n * d.t * d.s, d.t * d.s, d.s, 1}));
+}
+
+std::shared_ptr<fe::graph::Tensor_attributes> SeqLen(fe::graph::Graph& g, const char* name, int64_t uid,
+                                                     int64_t batch) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({batch, 1, 1, 1})
+                      .set_stride({1, 1, 1, 1})
+                      .set_data_type(fe::DataType_t::INT32));
+}
+
+template <typename Attributes>
+void ApplyMasks(const MaskPlan& m, Attributes& a) {
+  if (m.bottom_right) a.set_diagonal_alignment(fe::DiagonalAlignment_t::BOTTOM_RIGHT);
+  else a.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT);
+  if (m.left_bound) a.set_diagonal_band_left_bound(static_cast<int>(*m.left_bound));
+  if (m.right_bound) a.set_diagonal_band_right_bound(static_cast<int>(*m.right_bound));
+}
+
+std::shared_ptr<fe::graph::Graph> NewGraph(DType dtype) {
+  auto g = std::make_shared<fe::graph::Graph>();
+  g->set_io_data_type(IoType(dtype))
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  return g;
+}
+
+std::shared_ptr<fe::graph::Graph> DefineForward(const GraphSpec& spec) {
+  const AttentionShape& s = spec.shape;
+  auto g = NewGraph(spec.dtype);
+  auto q = BthdTensor(*g, "Q", kUidQ, s.batch, s.q_len, s.num_q_heads, s.head_dim);
+  auto k = BthdTensor(*g, "K", kUidK, s.batch, s.kv_len, s.num_kv_heads, s.head_dim);
+  auto v = BthdTensor(*g, "V", kUidV, s.batch, s.kv_len, s.num_kv_heads, s.head_dim_v);
+  const bool stats = spec.stats == StatsMode::kStats || spec.stats == StatsMode::kStatsMax;
+  auto attrs = fe::graph::SDPA_attributes().set_name("maxattn_sdpa_fwd").set_attn_scale(spec.scale).set_generate_stats(stats);
+  if (spec.has_bias) attrs.set_bias(BiasLike(*g, "Bias", kUidBias, spec.bias_dims));
+  if (spec.masks.padding) {
+    attrs.set_padding_mask(true)
+        .set_seq_len_q(SeqLen(*g, "SeqLenQ", kUidSeqLenQ, s.batch))
+        .set_seq_len_kv(SeqLen(*g, "SeqLenKV", kUidSeqLenKv, s.batch));
+  }
+  ApplyMasks(spec.masks, attrs);
+  if (spec.stats == StatsMode::kMaxSumExp || spec.stats == StatsMode::kStatsMax) {
+    auto max = RowStats(*g, "Max", kUidMax, s);
+    max->set_output(true);
+    attrs.set_logit_max(max);
+  }
+  if (spec.stats == StatsMode::kMaxSumExp) {
+    auto sum_exp = RowStats(*g, "Sum_exp", kUidSumExp, s);
+    sum_exp->set_output(true);
+    attrs.set_score_sum_exp(sum_exp);
+  }
+  auto [o, lse] = g->sdpa(q, k, v, std::move(attrs));
+  SetBthd(o, "O", kUidO, s.batch, s.q_len, s.num_q_heads, s.head_dim_v);
+  if (stats && lse) {
+    lse->set_output(true).set_name("Stats").set_uid(kUidStats).set_data_type(fe::DataType_t::FLOAT)
+        .set_dim({s.batch, s.num_q_heads, s.q_len, 1}).set_stride({s.num_q_heads * s.q_len, s.q_len, 1, 1});
+  }
+  return g;
+}
+
+std::shared_ptr<fe::graph::Graph> DefineBackward(const GraphSpec& spec) {
+  const AttentionShape& s = spec.shape;
+  auto g = NewGraph(spec.dtype);
+  auto q = BthdTensor(*g, "Q", kUidQ, s.batch, s.q_len, s.num_q_heads, s.head_dim);
+  auto k = BthdTensor(*g, "K", kUidK, s.batch, s.kv_len, s.num_kv_heads, s.head_dim);
+  auto v = BthdTensor(*g, "V", kUidV, s.batch, s.kv_len, s.num_kv_heads, s.head_dim_v);
+  auto o = BthdTensor(*g, "O", kUidO, s.batch, s.q_len, s.num_q_heads, s.head_dim_v);
+  auto dout = BthdTensor(*g, "dO", kUidDO, s.batch, s.q_len, s.num_q_heads, s.head_dim_v);
+  auto stats = RowStats(*g, "Stats", kUidStats, s);
+  auto attrs = fe::graph::SDPA_backward_attributes().set_name("maxattn_sdpa_bwd").set_attn_scale(spec.scale);
+  if (spec.has_bias) {
+    attrs.set_bias(BiasLike(*g, "Bias", kUidBias, spec.bias_dims));
+    if (spec.want_dbias) {
+      auto dbias = BiasLike(*g, "dBias", kUidDBias, spec.bias_dims);
+      dbias->set_output(true);
+      attrs.set_dbias(dbias);
+    }
+  }
+  if (spec.masks.padding) {
+    attrs.set_padding_mask(true)
+        .set_seq_len_q(SeqLen(*g, "SeqLenQ", kUidSeqLenQ, s.batch))
+        .set_seq_len_kv(SeqLen(*g, "SeqLenKV", kUidSeqLenKv, s.batch));
+  }
+  ApplyMasks(spec.masks, attrs);
+  auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, std::move(attrs));
+  SetBthd(dq, "dQ", kUidDQ, s.batch, s.q_len, s.num_q_heads, s.head_dim);
+  SetBthd(dk, "dK", kUidDK, s.batch, s.kv_len, s.num_kv_heads, s.head_dim);
+  SetBthd(dv, "dV", kUidDV, s.batch, s.kv_len, s.num_kv_heads, s.head_dim_v);
+  return g;
+}
+
+// validate -> operation graph -> heuristics -> support -> plans.
+Status Build(const GraphSpec& spec, cudnnHandle_t handle, BuiltGraph* out) {
+  std::shared_ptr<fe::graph::Graph> g;
+  try {
+    g = spec.backward ? DefineBackward(spec) : DefineForward(spec);
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("cuDNN graph definition threw: ") + e.what());
+  }
+  MAXATTN_FE_RETURN_IF_ERROR(g->validate(), "graph validation");
+  MAXATTN_FE_RETURN_IF_ERROR(g->build_operation_graph(handle), "build_operation_graph");
+  MAXATTN_FE_RETURN_IF_ERROR(g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
+                             "create_execution_plans");
+  MAXATTN_FE_RETURN_IF_ERROR(g->check_support(), "check_support");
+  MAXATTN_FE_RETURN_IF_ERROR(g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "build_plans");
+  int64_t workspace = 0;
+  MAXATTN_FE_RETURN_IF_ERROR(g->get_workspace_size(workspace), "get_workspace_size");
+  out->graph = std::move(g);
+  out->workspace_bytes = workspace;
+  return Status::Ok();
+}
+
+std::vector<int64_t> Key(const GraphSpec& spec, int device) {
+  const AttentionShape& s = spec.shape;
+  int32_t scale_bits = 0;
+  std::memcpy(&scale_bits, &spec.scale, sizeof scale_bits);
+  const MaskPlan& m = spec.masks;
+  return {spec.backward, device, static_cast<int64_t>(cudnnGetVersion()), static_cast<int64_t>(spec.dtype),
+          s.batch, s.q_len, s.kv_len, s.num_q_heads, s.num_kv_heads, s.head_dim, s.head_dim_v, scale_bits,
+          m.padding, m.bottom_right, m.left_bound.has_value(), m.left_bound.value_or(0),
+          m.right_bound.has_value(), m.right_bound.value_or(0), spec.has_bias, spec.bias_dims.b,
+          spec.bias_dims.n, spec.bias_dims.t, spec.bias_dims.s, static_cast<int64_t>(spec.stats),
+          spec.want_dbias};
+}
+
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
+      switched_ = cudaSetDevice(device) == cudaSuccess;
+    }
+  }
+  ~CudaDeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+  bool switched_ = false;
+};
+
+struct HandleDeleter {
+  void operator()(cudnnContext* h) const {
+    if (h) cudnnDestroy(h);
+  }
+};
+using UniqueHandle = std::unique_ptr<cudnnContext, HandleDeleter>;
+
+struct DeviceHandle {
+  UniqueHandle handle;
+  std::mutex mutex;  // held while the handle is bound to a stream
+};
+
+class HandleLeaseImpl final : public HandleLease {
+ public:
+  HandleLeaseImpl(DeviceHandle* h) : lock_(h->mutex), handle_(h->handle.get()) {}
+  cudnnHandle_t handle() const override { return handle_; }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+  cudnnHandle_t handle_;
+};
+
+}  // namespace
+
+Status PlanMasks(const AttentionShape& shape, const AttentionOptions& options, bool padding, bool has_bias,
+                 MaskPlan* plan) {
+  MaskPlan m;
+  m.padding = padding;
+  if (options.causal) m.right_bound = 0;
+  if (options.window_right >= 0) {
+    m.right_bound = m.right_bound ? std::min<int64_t>(*m.right_bound, options.window_right) : options.window_right;
+  }
+  if (options.window_left >= 0) m.left_bound = options.window_left + 1;
+  const bool banded = m.left_bound || m.right_bound;
+  if (banded && options.alignment == CausalAlignment::kBottomRight) {
+    if (padding) {
+      if (has_bias) {
+        return Status::Unimplemented(
+            "cuDNN does not support a bias together with bottom-right causal alignment and sequence lengths");
+      }
+      m.bottom_right = true;
+    } else {
+      // Full lengths: the bottom-right diagonal is the top-left one shifted by S - T.
+      const int64_t shift = shape.kv_len - shape.q_len;
+      if (m.right_bound) *m.right_bound += shift;
+      if (m.left_bound) *m.left_bound -= shift;
+    }
+  }
+  if (m.right_bound && *m.right_bound < 0) {
+    return Status::Unimplemented(
+        "cuDNN needs the causal/window right edge on or above the main diagonal (bottom-right alignment with "
+        "T > S, or a negative right bound, is not expressible)");
+  }
+  *plan = m;
+  return Status::Ok();
+}
+
+Status GetGraph(const GraphSpec& spec, int device, cudnnHandle_t handle, std::shared_ptr<const BuiltGraph>* out) {
+  // Leaked on purpose: graphs must outlive every static destructor that may still run a call.
+  static auto* mutex = new std::mutex;
+  static auto* cache = new std::map<std::vector<int64_t>, std::shared_ptr<const BuiltGraph>>;
+  const std::vector<int64_t> key = Key(spec, device);
+  std::lock_guard<std::mutex> lock(*mutex);
+  auto it = cache->find(key);
+  if (it != cache->end()) {
+    *out = it->second;
+    return Status::Ok();
+  }
+  auto built = std::make_shared<BuiltGraph>();
+  MAXATTN_RETURN_IF_ERROR(Build(spec, handle, built.get()));
+  (*cache)[key] = built;
+  *out = std::move(built);
+  return Status::Ok();
+}
+
+Status HandleLease::Acquire(int device, cudaStream_t stream, std::unique_ptr<HandleLease>* out) {
+  static auto* mutex = new std::mutex;
+  static auto* handles = new std::map<int, std::unique_ptr<DeviceHandle>>;
+  DeviceHandle* h = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(*mutex);
+    auto& slot = (*handles)[device];
+    if (!slot) {
+      CudaDeviceGuard guard(device);
+      cudnnHandle_t raw = nullptr;
+      const cudnnStatus_t st = cudnnCreate(&raw);
+      if (st != CUDNN_STATUS_SUCCESS) {
+        handles->erase(device);
+        return Status::Internal(std::string("cudnnCreate failed on device ") + std::to_string(device) + ": " +
+                                cudnnGetErrorString(st));
+      }
+      slot = std::make_unique<DeviceHandle>();
+      slot->handle.reset(raw);
+    }
+    h = slot.get();
+  }
+  auto lease = std::make_unique<HandleLeaseImpl>(h);
+  const cudnnStatus_t st = cudnnSetStream(lease->handle(), stream);
+  if (st != CUDNN_STATUS_SUCCESS) {
+    return Status::Internal(std::string("cudnnSetStream failed: ") + cudnnGetErrorString(st));
+  }
+  *out = std::move(lease);
+  return Status::Ok();
+}
+
+}  // namespace maxattn::cudnn

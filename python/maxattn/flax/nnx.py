@@ -1,0 +1,68 @@
+"""``DotProductAttention`` as a ``flax.nnx`` module."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+from flax import nnx
+
+import maxattn
+from maxattn.flax import SOW_NAME
+
+__all__ = ["DotProductAttention"]
+
+
+class DotProductAttention(nnx.Module):
+    """maxattn attention as an nnx module (no parameters).
+
+    Args:
+      scale: logit scale (default 1/sqrt(H)).
+      is_causal: causal mask.
+      implementation: maxattn backend (None = auto, "cpu", "cudnn", "xla").
+      return_max_logit: return ``(out, aux)`` with ``aux["max_logit"]``
+        float32 [N], like TransformerEngine's ``fused_attn``.
+      return_lse: also return ``aux["lse"]`` float32 [B, N, T].
+      record_max_logit: sow the max logit as ``nnx.Intermediate`` under
+        ``"max_logit"`` (read it with :func:`maxattn.flax.capture_max_logits`).
+      **attention_kwargs: further fixed keyword arguments for
+        :func:`maxattn.dot_product_attention` (e.g. ``local_window_size``).
+    """
+
+    def __init__(self, *, scale: Optional[float] = None, is_causal: bool = False,
+                 implementation: Optional[str] = None, return_max_logit: bool = False,
+                 return_lse: bool = False, record_max_logit: bool = False,
+                 **attention_kwargs: Any):
+        self.scale = scale
+        self.is_causal = is_causal
+        self.implementation = implementation
+        self.return_max_logit = return_max_logit
+        self.return_lse = return_lse
+        self.record_max_logit = record_max_logit
+        self.attention_kwargs = dict(attention_kwargs)
+
+    def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array,
+                 bias: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
+                 **kwargs: Any):
+        """Attention on [B, T, N, H] / [B, S, K, H] / [B, S, K, Hv] inputs.
+
+        ``kwargs`` go to :func:`maxattn.dot_product_attention` (e.g. sequence
+        lengths, segment ids). Returns ``out`` [B, T, N, Hv], or ``(out, aux)``
+        when ``return_max_logit`` or ``return_lse`` is set.
+        """
+        want_max = self.return_max_logit or self.record_max_logit
+        call_kwargs = {**self.attention_kwargs, **kwargs}
+        res = maxattn.dot_product_attention(
+            query, key, value, bias, mask, scale=self.scale, is_causal=self.is_causal,
+            implementation=self.implementation, return_max_logit=want_max,
+            return_lse=self.return_lse, **call_kwargs)
+        if not (want_max or self.return_lse):
+            return res
+        out, aux = res
+        if self.record_max_logit:
+            self.sow(nnx.Intermediate, SOW_NAME, aux["max_logit"])
+        if not self.return_max_logit:
+            aux = {k: v for k, v in aux.items() if k != "max_logit"}
+        if self.return_max_logit or self.return_lse:
+            return out, aux
+        return out

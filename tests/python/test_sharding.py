@@ -1,0 +1,302 @@
+"""Sharding (DP / TP) and context parallelism (all-gather, ring) on 8 CPU devices.
+
+Needs 8 devices, i.e. XLA_FLAGS=--xla_force_host_platform_device_count=8 set
+before jax initialises. CI runs it as its own invocation:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q tests/python/test_sharding.py
+
+When this file is collected in a process with fewer devices (e.g. a plain
+`pytest tests/python`), the device tests skip and `test_in_subprocess` re-runs
+the file in a subprocess with the flag set, so nothing is silently skipped.
+
+The fused path is the cpu backend when its extension is built; otherwise the
+pure-JAX `ReferenceBackend` is installed as the "cpu" backend, which runs the
+exact same partitioning / context-parallel code (custom_partitioning,
+per-device kernels, collectives).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import maxattn
+from helpers import assert_close, assert_max_logit_close, loss_and_grads, reference64
+from maxattn._src import backends, sharding
+
+NDEV = 8
+HAVE_DEVICES = jax.device_count() >= NDEV
+needs8 = pytest.mark.skipif(not HAVE_DEVICES, reason="needs 8 devices (see test_in_subprocess)")
+
+try:
+    from maxattn import _maxattn_cpu  # noqa: F401
+    HAVE_CPU_EXT = True
+except ImportError:
+    HAVE_CPU_EXT = False
+
+TOL = 1e-5  # DESIGN.md §3, float32
+
+
+def test_in_subprocess():
+    if HAVE_DEVICES:
+        pytest.skip("running in-process (8 devices present)")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={NDEV}").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+                          cwd=here, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture
+def impl(monkeypatch):
+    """The implementation name that goes through the fused (partitioned) path."""
+    if not HAVE_CPU_EXT:
+        real_get, real_reason = backends.get, backends.unsupported_reason
+        monkeypatch.setattr(backends, "get",
+                            lambda name: sharding.ReferenceBackend if name == "cpu" else real_get(name))
+        monkeypatch.setattr(backends, "unsupported_reason",
+                            lambda name, c, o: None if name == "cpu" else real_reason(name, c, o))
+    return "cpu"
+
+
+def _mesh(dp, cp, tp):
+    return Mesh(np.array(jax.devices()[:NDEV]).reshape(dp, cp, tp), ("dp", "cp", "tp"))
+
+
+def _put(mesh, x, spec):
+    return None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _collectives(compiled_text: str, op: str) -> list[str]:
+    return [line.strip() for line in compiled_text.splitlines() if f" {op}(" in line or f" {op}-start(" in line]
+
+
+B, T, N, H = 8, 32, 4, 8
+HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
+
+# (dp, cp, tp), strategy, load_balanced, heads. Every strategy x load_balanced pair
+# appears on two meshes; MHA, GQA (kv heads sharded over tp) and MQA all appear.
+CASES = [
+    ((8, 1, 1), None, False, "mha"),
+    ((8, 1, 1), None, False, "gqa"),
+    ((2, 2, 2), None, False, "gqa"),
+    ((1, 8, 1), "ring", True, "mha"),
+    ((1, 8, 1), "all_gather", False, "gqa"),
+    ((2, 2, 2), "ring", False, "gqa"),
+    ((2, 2, 2), "all_gather", True, "mha"),
+    ((1, 4, 2), "ring", True, "mqa"),
+    ((1, 4, 2), "all_gather", False, "gqa"),
+    ((2, 4, 1), "ring", False, "gqa"),
+    ((2, 4, 1), "all_gather", True, "mha"),
+]
+
+
+def _inputs(seed, K, Hv=H):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    k = rng.standard_normal((B, T, K, H)).astype(np.float32)
+    v = rng.standard_normal((B, T, K, Hv)).astype(np.float32)
+    ct_out = rng.standard_normal((B, T, N, Hv)).astype(np.float32)
+    ct_lse = rng.standard_normal((B, N, T)).astype(np.float32)
+    return q, k, v, ct_out, ct_lse
+
+
+def _run_sharded(impl, mesh, q, k, v, ct_out, ct_lse, *, strategy, lb, kw, seq_ids=None):
+    """Runs loss_and_grads under jit on the mesh; returns results in natural order and the HLO."""
+    cp = mesh.shape["cp"]
+    tp = mesh.shape["tp"]
+    K = k.shape[2]
+    R = (lambda x, a=1: maxattn.reorder_for_load_balancing(x, cp, a)) if lb else (lambda x, a=1: x)
+    IR = (lambda x, a=1: maxattn.inverse_reorder_for_load_balancing(x, cp, a)) if lb else (lambda x, a=1: x)
+    seq = "cp" if strategy else None
+    qs = P("dp", seq, "tp", None)
+    kvs = P("dp", seq, "tp" if K % tp == 0 else None, None)
+    kw = dict(kw)
+    for name in ("q_segment_ids", "kv_segment_ids"):
+        if name in kw:
+            kw[name] = _put(mesh, R(jnp.asarray(kw[name])), P("dp", seq))
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):
+        if name in kw:
+            kw[name] = _put(mesh, jnp.asarray(kw[name]), P("dp"))
+    args = (_put(mesh, R(q), qs), _put(mesh, R(k), kvs), _put(mesh, R(v), kvs), None,
+            _put(mesh, R(ct_out), qs), _put(mesh, R(ct_lse, 2), P("dp", "tp", seq)))
+
+    def fn(q, k, v, bias, ct_out, ct_lse):
+        return loss_and_grads(maxattn.dot_product_attention, q, k, v, bias, ct_out, ct_lse,
+                              implementation=impl, context_parallel=strategy,
+                              context_parallel_axis="cp" if strategy else None, load_balanced=lb, **kw)
+
+    jf = jax.jit(fn)
+    hlo = jf.lower(*args).compile().as_text()
+    out, aux, (dq, dk, dv) = jf(*args)
+    res = (IR(out), {"lse": IR(aux["lse"], 2), "max_logit": aux["max_logit"]}, (IR(dq), IR(dk), IR(dv)))
+    return res, aux["max_logit"], hlo
+
+
+def _check(res, ref):
+    (out, aux, grads), (rout, raux, rgrads) = res, ref
+    assert_close(out, rout, TOL, "out")
+    assert_close(aux["lse"], raux["lse"], TOL, "lse")
+    assert_max_logit_close(aux["max_logit"], raux["max_logit"], TOL)
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, rgrads):
+        assert_close(g, rg, TOL, name)
+
+
+@needs8
+@pytest.mark.parametrize("mesh_shape,strategy,lb,heads", CASES,
+                         ids=[f"{'x'.join(map(str, m))}-{s or 'nocp'}{'-lb' if lb else ''}-{h}"
+                              for m, s, lb, h in CASES])
+def test_matches_single_device(impl, mesh_shape, strategy, lb, heads):
+    mesh = _mesh(*mesh_shape)
+    q, k, v, ct_out, ct_lse = _inputs(sum(mesh_shape) * 7 + len(heads), HEADS[heads])
+    kw = dict(is_causal=True)
+    res, mx, hlo = _run_sharded(impl, mesh, q, k, v, ct_out, ct_lse, strategy=strategy, lb=lb, kw=kw)
+    _check(res, reference64(q, k, v, None, ct_out, ct_lse, **kw))
+    # max_logit is sharded like the heads (replicated over dp and cp).
+    assert mx.sharding.is_equivalent_to(NamedSharding(mesh, P("tp" if mesh.shape["tp"] > 1 else None)), 1) or \
+        mesh.shape["tp"] == 1
+    if strategy != "all_gather":
+        # DP / TP and ring: q/k/v (and everything else) are never all-gathered.
+        assert not _collectives(hlo, "all-gather"), _collectives(hlo, "all-gather")[:3]
+    if strategy == "ring":
+        assert _collectives(hlo, "collective-permute"), "ring must rotate K/V with collective-permute"
+    if strategy == "all_gather":
+        gathers = _collectives(hlo, "all-gather")
+        assert gathers and all("{'cp'}" in g or "replica_groups" in g for g in gathers)
+
+
+# Padding lengths and segment ids: all-gather and ring, plain and load balanced
+# (the length-aware paths cut the sequence into chunks with shifted lengths).
+MASK_CASES = [
+    ((2, 4, 1), "all_gather", True, True),
+    ((2, 4, 1), "all_gather", False, False),
+    ((1, 4, 2), "ring", True, True),
+    ((2, 2, 2), "ring", False, False),
+]
+
+
+@needs8
+@pytest.mark.parametrize("mesh_shape,strategy,lb,causal", MASK_CASES,
+                         ids=[f"{s}{'-lb' if lb else ''}{'-causal' if c else ''}" for _, s, lb, c in MASK_CASES])
+def test_lengths_and_segments(impl, mesh_shape, strategy, lb, causal):
+    mesh = _mesh(*mesh_shape)
+    q, k, v, ct_out, ct_lse = _inputs(11 + lb + 2 * causal, 2)
+    rng = np.random.default_rng(5)
+    qlen = rng.integers(1, T + 1, size=B).astype(np.int32)
+    qlen[0] = 0  # an empty row: out 0, lse -inf
+    kvlen = rng.integers(T // 2, T + 1, size=B).astype(np.int32)
+    seg = np.sort(rng.integers(1, 4, size=(B, T)), axis=1).astype(np.int32)
+    seg[:, -3:] = 0  # padding segment
+    kw = dict(is_causal=causal, query_seq_lengths=qlen, key_value_seq_lengths=kvlen,
+              q_segment_ids=seg, kv_segment_ids=seg)
+    res, _, _ = _run_sharded(impl, mesh, q, k, v, ct_out, ct_lse, strategy=strategy, lb=lb, kw=kw)
+    _check(res, reference64(q, k, v, None, ct_out, ct_lse, **kw))
+
+
+def _spike(q, k, b, t, head, K):
+    """A huge logit at (batch b, position t, head) — visible under causal (query t, key t)."""
+    q, k = q.copy(), k.copy()
+    q[b, t, head] = 0.0
+    k[b, t, head // (N // K)] = 0.0
+    q[b, t, head, 0] = 40.0
+    k[b, t, head // (N // K), 0] = 40.0
+    return q, k
+
+
+@needs8
+@pytest.mark.parametrize("mesh_shape,strategy,lb", [((8, 1, 1), None, False), ((1, 8, 1), "ring", True),
+                                                     ((2, 4, 1), "all_gather", False)],
+                         ids=["dp-shard", "cp-shard-ring-lb", "cp-shard-all-gather"])
+def test_spike_on_one_shard(impl, mesh_shape, strategy, lb):
+    """A logit spike living on one DP shard (one batch row) or one CP shard (one sequence block)."""
+    mesh = _mesh(*mesh_shape)
+    K = 2
+    q, k, v, _, _ = _inputs(3, K)
+    if strategy is None:
+        q, k = _spike(q, k, b=5, t=7, head=1, K=K)  # batch row 5 lives on device 5 only
+    else:
+        q, k = _spike(q, k, b=0, t=T - 3, head=2, K=K)  # in the last sequence chunk
+    cp = mesh.shape["cp"]
+    R = (lambda x: maxattn.reorder_for_load_balancing(x, cp, 1)) if lb else (lambda x: x)
+    seq = "cp" if strategy else None
+    args = [_put(mesh, R(x), P("dp", seq, None, None)) for x in (q, k, v)]
+    fn = jax.jit(lambda q, k, v: maxattn.dot_product_attention(
+        q, k, v, is_causal=True, implementation=impl, return_max_logit=True, context_parallel=strategy,
+        context_parallel_axis="cp" if strategy else None, load_balanced=lb)[1]["max_logit"])
+    mx = np.asarray(fn(*args), np.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = np.asarray(maxattn.reference(q, k, v, is_causal=True, return_max_logit=True)[1]["max_logit"])
+    assert mx[1 if strategy is None else 2] > 100.0
+    assert_max_logit_close(mx, ref, TOL)
+
+
+@needs8
+def test_sequence_sharding_without_cp_warns(impl):
+    mesh = _mesh(1, 8, 1)
+    q, k, v, _, _ = _inputs(4, 4)
+    args = [_put(mesh, x, P(None, "cp", None, None)) for x in (q, k, v)]
+    fn = jax.jit(lambda q, k, v: maxattn.dot_product_attention(q, k, v, implementation=impl))
+    with pytest.warns(RuntimeWarning, match="context_parallel is not set"):
+        out = fn(*args)
+    assert_close(out, maxattn.reference(q, k, v), TOL, "out")
+
+
+@needs8
+def test_cp_errors(impl):
+    q, k, v, _, _ = _inputs(1, 4)
+    call = maxattn.dot_product_attention
+    with pytest.raises(ValueError, match="bias"):
+        call(q, k, v, np.zeros((1, 1, T, T), np.float32), implementation=impl, context_parallel="ring",
+             context_parallel_axis="cp")
+    with pytest.raises(ValueError, match="mask"):
+        call(q, k, v, mask=np.ones((T, T), bool), context_parallel="all_gather", context_parallel_axis="cp")
+    with pytest.raises(ValueError, match="local_window_size"):
+        call(q, k, v, local_window_size=4, context_parallel="ring", context_parallel_axis="cp")
+    with pytest.raises(ValueError, match="top_left"):
+        call(q, k, v, is_causal=True, causal_alignment="bottom_right", context_parallel="ring",
+             context_parallel_axis="cp")
+    with pytest.raises(ValueError, match="context_parallel_axis"):
+        call(q, k, v, context_parallel="ring")
+    with pytest.raises(ValueError, match="context_parallel"):
+        call(q, k, v, context_parallel="ulysses", context_parallel_axis="cp")
+    with pytest.raises(ValueError, match="load_balanced"):
+        call(q, k, v, load_balanced=True)
+    mesh = _mesh(1, 8, 1)
+    args = [_put(mesh, x, P(None, "cp", None, None)) for x in (q, k, v)]
+    with pytest.raises(Exception, match="not an axis of the mesh"):
+        jax.jit(lambda q, k, v: call(q, k, v, implementation=impl, context_parallel="ring",
+                                     context_parallel_axis="sp"))(*args)
+
+
+def test_reorder_roundtrip_and_layout():
+    x = jnp.arange(2 * 16 * 3).reshape(2, 16, 3)
+    r = maxattn.reorder_for_load_balancing(x, 4, axis=1)
+    # chunks of 2: rank 0 holds chunks 0 and 7, rank 1 chunks 1 and 6, ...
+    np.testing.assert_array_equal(np.asarray(r[0, :, 0]) // 3 // 2, [0, 0, 7, 7, 1, 1, 6, 6, 2, 2, 5, 5, 3, 3, 4, 4])
+    np.testing.assert_array_equal(maxattn.inverse_reorder_for_load_balancing(r, 4, axis=1), x)
+    with pytest.raises(ValueError, match="divisible"):
+        maxattn.reorder_for_load_balancing(x, 3, axis=1)
+
+
+def test_vmap_through_partitioned_path(impl):
+    """vmap folds into the batch outside custom_partitioning; each instance keeps its own max."""
+    q, k, v, _, _ = _inputs(9, 2)
+    qs, ks, vs = (np.stack([x[:2], 3 * x[2:4]]) for x in (q, k, v))
+    f = lambda q, k, v: maxattn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
+                                                      return_max_logit=True)
+    out, aux = jax.vmap(f)(qs, ks, vs)
+    for i in range(2):
+        ro, raux = maxattn.reference(qs[i], ks[i], vs[i], is_causal=True, return_max_logit=True)
+        assert_close(out[i], ro, TOL, "out")
+        assert_max_logit_close(aux["max_logit"][i], raux["max_logit"], TOL)
