@@ -155,7 +155,8 @@ def plot(runs: dict, args, path: str) -> None:
     n = len(runs)
     fig, axes = plt.subplots(1, n + 1, figsize=(5.2 * (n + 1), 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    ymax = max(r["max_logits"].max() for r in runs.values()) * 1.05
+    finite = [r["max_logits"][np.isfinite(r["max_logits"])] for r in runs.values()]
+    ymax = max([float(f.max()) for f in finite if f.size] + [args.threshold]) * 1.5
     for ax, (name, r) in zip(axes, runs.items()):
         steps = np.arange(1, len(r["losses"]) + 1)
         _, L, N = r["max_logits"].shape
@@ -167,12 +168,17 @@ def plot(runs: dict, args, path: str) -> None:
         ax.set_title(f"{name}: per-head max logit")
         ax.set_xlabel("step")
         ax.set_ylabel("max attention logit")
-        ax.set_ylim(0, ymax)
+        ax.set_yscale("log")
+        ax.set_ylim(1, ymax)
         ax.legend(fontsize=8, loc="upper left")
     ax = axes[-1]
     for (name, r), c in zip(runs.items(), ["tab:red", "tab:blue"]):
-        ax.plot(np.arange(1, len(r["losses"]) + 1), r["losses"], color=c, lw=0.9, label=name)
-    ax.set_title("training loss (bytes, nats)")
+        steps = np.arange(1, len(r["losses"]) + 1)
+        w = max(1, min(10, len(steps) // 5))
+        smooth = np.convolve(r["losses"], np.ones(w) / w, mode="valid")
+        ax.plot(steps, r["losses"], color=c, lw=0.6, alpha=0.3)
+        ax.plot(steps[w - 1:], smooth, color=c, lw=1.4, label=f"{name} ({w}-step mean)")
+    ax.set_title("training loss (nats per byte)")
     ax.set_xlabel("step")
     ax.set_yscale("log")
     ax.legend()
@@ -188,8 +194,10 @@ def summary(runs: dict, args) -> str:
     L = next(iter(runs.values()))["max_logits"].shape[1]
     head = f"{'run':<14}" + "".join(f"{'peak L' + str(l):>9}" for l in range(L)) + \
         f"{'steps>τ':>9}{'final loss':>12}"
-    lines.append(f"threshold τ = {args.threshold:g}; peak = max over steps and heads of the "
-                 "recorded max logit; final loss = mean of the last 10 steps")
+    lines.append(f"threshold τ = {args.threshold:g}. peak L<i>: max over steps and heads of layer i's "
+                 "recorded max logit (measured in each step's forward pass, before that step's clip).")
+    lines.append("steps>τ: steps whose forward pass saw a head above τ (in the QK-Clip run: steps "
+                 "that clipped). final loss: mean of the last 10 steps.")
     lines.append(head)
     lines.append("-" * len(head))
     for name, r in runs.items():
@@ -201,7 +209,7 @@ def summary(runs: dict, args) -> str:
 
 def parse_args(argv: Optional[list] = None):
     p = argparse.ArgumentParser(prog="maxattn-demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
+    p.add_argument("--steps", type=int, default=250, help="training steps per run (default 250)")
     p.add_argument("--threshold", type=float, default=30.0, help="QK-Clip threshold τ (default 30)")
     p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2, high on purpose)")
     p.add_argument("--out-dir", default="demo_out", help="output directory (default ./demo_out)")
@@ -209,7 +217,7 @@ def parse_args(argv: Optional[list] = None):
     g.add_argument("--no-clip", action="store_true", help="only the run without QK-Clip")
     g.add_argument("--clip-only", action="store_true", help="only the run with QK-Clip")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=128)

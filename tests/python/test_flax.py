@@ -1,7 +1,5 @@
 """maxattn.flax: attention_fn in Flax layers, sown max logits, DotProductAttention modules."""
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +17,13 @@ from maxattn.flax.nnx import DotProductAttention as NnxDPA  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::DeprecationWarning")
 
 D, N, H, T, B = 16, 4, 8, 8, 2
+
+
+@pytest.fixture(autouse=True)
+def _full_f32_matmuls():
+    # GPUs default to TF32 for float32 matmuls; the comparisons here need full float32.
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def _x(seed=0, shape=(B, T, D)):
