@@ -8,8 +8,9 @@ For each shape it times, in one process and the same run:
   * the XLA path plus a separate pass that recomputes q.k^T for the max logit
     (what a JAX user does today),
   * forward+backward of maxattn and of XLA,
-and prints ratios. Peak memory of each forward is measured in a fresh
-subprocess as the growth of the peak resident set size during the call.
+and prints ratios. Times are the best of several interleaved rounds. Peak memory of each
+forward is measured in a fresh subprocess as the growth of the peak resident
+set size (VmHWM, reset just before the call) over the resident size before it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -65,16 +65,30 @@ def _fns(causal: bool):
             "ours fwd+bwd": grad_of(ours_max), "xla fwd+bwd": grad_of(xla)}
 
 
-def _time(f, args, min_time=1.0, max_reps=50) -> float:
-    f = jax.jit(f)
-    jax.block_until_ready(f(*args))  # compile + warm up
-    times = []
-    start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+def _time_all(fns: dict, args, rounds: int = 7) -> dict[str, float]:
+    """Best-of-`rounds` seconds per function, rounds interleaved across functions.
+
+    Interleaving and taking the minimum keeps the ratios fair on a machine
+    whose load changes during the run.
+    """
+    compiled = {name: jax.jit(f) for name, f in fns.items()}
+    for f in compiled.values():
+        jax.block_until_ready(f(*args))  # compile + warm up
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, f in compiled.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _peak_memory_child(name, B, T, N, H, causal) -> None:
@@ -82,10 +96,11 @@ def _peak_memory_child(name, B, T, N, H, causal) -> None:
     args = _inputs(B, T, N, H)
     f = jax.jit(_fns(causal)[name]).lower(*args).compile()
     jax.block_until_ready(args)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # resets the peak resident set size (VmHWM) to the current one
+    before = _rss_kib("VmRSS")
     jax.block_until_ready(f(*args))
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_mib": (after - before) / 1024.0}))
+    print(json.dumps({"peak_mib": (_rss_kib("VmHWM") - before) / 1024.0}))
 
 
 def peak_memory_mib(name, B, T, N, H, causal) -> float:
@@ -116,7 +131,7 @@ def main(argv=None) -> None:
         for causal in (False, True):
             args = _inputs(B, T, N, H)
             fns = _fns(causal)
-            t = {name: _time(f, args) for name, f in fns.items()}
+            t = _time_all(fns, args)
             mem = {name: peak_memory_mib(name, B, T, N, H, causal) for name in ("ours+max", "xla", "xla+max pass")}
             print(f"\n## B={B} T=S={T} N={N} H={H} float32 {'causal' if causal else 'non-causal'}")
             print(f"{'method':<16}{'ms':>10}{'GFLOP/s':>10}{'peak MiB':>10}")
@@ -130,7 +145,7 @@ def main(argv=None) -> None:
             print(f"fwd+bwd speed-up vs xla:               {t['xla fwd+bwd'] / t['ours fwd+bwd']:.2f}x")
     if a.long and not a.quick:
         B, T, N, H = 1, a.long, 2, 64
-        sec = _time(_fns(True)["ours+max"], _inputs(B, T, N, H), min_time=0.0, max_reps=1)
+        sec = _time_all({"ours+max": _fns(True)["ours+max"]}, _inputs(B, T, N, H), rounds=1)["ours+max"]
         mib = peak_memory_mib("ours+max", B, T, N, H, True)
         logits_mib = B * N * T * T * 4 / 2**20
         print(f"\n## bounded memory: B={B} T=S={T} N={N} H={H} causal, ours+max: {sec:.2f} s, "

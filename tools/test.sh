@@ -11,5 +11,8 @@ cmake -S . -B build/cpp-tests -DMAXATTN_BUILD_PYTHON=OFF -DMAXATTN_BUILD_TESTS=O
 cmake --build build/cpp-tests -j "$(nproc)"
 ctest --test-dir build/cpp-tests --output-on-failure -j "$(nproc)"
 
-echo "[test] Python: pytest"
-.venv/bin/python -m pytest tests/python -n "$(nproc)" -q "$@"
+echo "[test] Python: pytest, sharding and context parallelism on 8 simulated devices"
+XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest tests/python/test_sharding.py -q
+
+echo "[test] Python: pytest, everything else"
+.venv/bin/python -m pytest tests/python -n "$(nproc)" -q --ignore=tests/python/test_sharding.py "$@"

@@ -9,10 +9,8 @@ When this file is collected in a process with fewer devices (e.g. a plain
 `pytest tests/python`), the device tests skip and `test_in_subprocess` re-runs
 the file in a subprocess with the flag set, so nothing is silently skipped.
 
-The fused path is the cpu backend when its extension is built; otherwise the
-pure-JAX `ReferenceBackend` is installed as the "cpu" backend, which runs the
-exact same partitioning / context-parallel code (custom_partitioning,
-per-device kernels, collectives).
+The fused path is the C++ cpu backend; these tests fail if its extension is
+not built.
 """
 
 from __future__ import annotations
@@ -58,14 +56,10 @@ def test_in_subprocess():
 
 
 @pytest.fixture
-def impl(monkeypatch):
+def impl():
     """The implementation name that goes through the fused (partitioned) path."""
     if not HAVE_CPU_EXT:
-        real_get, real_reason = backends.get, backends.unsupported_reason
-        monkeypatch.setattr(backends, "get",
-                            lambda name: sharding.ReferenceBackend if name == "cpu" else real_get(name))
-        monkeypatch.setattr(backends, "unsupported_reason",
-                            lambda name, c, o: None if name == "cpu" else real_reason(name, c, o))
+        pytest.fail("the maxattn CPU extension is not built: these tests need the real fused backend")
     return "cpu"
 
 
