@@ -29,6 +29,23 @@
 //   lse[b,n,i]     = log sum_{visible j} exp(logit);  -inf if no j visible
 //   max_logit[b,n] = max over visible (i, j) of s (pre-softcap); -inf if none;
 //                    NaN if any visible s is NaN.
+//
+// Softmax types (inputs.sink_logits, [N] f32; null = vanilla softmax):
+//   a sink adds exp(sink[n]) to every row's denominator (the sink logit is not
+//   scaled and not soft-capped; off-by-one = a sink of 0 for every head):
+//   p[i,j]  = exp(logit[i,j]) / (sum_{visible j'} exp(logit[i,j']) + exp(sink[n]))
+//   out     = sum_j p[i,j] v[j]   (0 for a fully masked row)
+//   lse     = log(sum_{visible j} exp(logit) + exp(sink[n]))  (includes the sink; a
+//             fully masked row has lse = sink[n], finite)
+//   max_logit excludes the sink. A sink of -inf is the vanilla softmax.
+//   Gradient: dsink[b,n] = -sum_i exp(sink[n] - lse[b,n,i]) * (D_i - dlse_i),
+//   D_i = <dout_i, out_i>; the [N] gradient is the sum over b.
+//
+// Dropout (options.dropout_rate in [0, 1); inputs.dropout_seed, see dropout.h):
+//   acts on the normalised probabilities: p' = p * keep(b,n,i,j) / (1 - rate),
+//   out = sum_j p'[i,j] v[j]; lse and max_logit are unaffected. keep() is a
+//   pure function of (seed, global b, global n, i, j), so forward and backward
+//   agree. rate 0 takes the no-dropout path (bit-identical).
 #ifndef MAXATTN_ATTENTION_H_
 #define MAXATTN_ATTENTION_H_
 
@@ -99,6 +116,7 @@ struct AttentionOptions {
   int64_t window_left = -1;   // < 0: unbounded
   int64_t window_right = -1;  // < 0: unbounded
   float softcap = 0.0f;       // <= 0: no soft cap
+  float dropout_rate = 0.0f;  // in [0, 1); > 0 needs inputs.dropout_seed
 };
 
 // Read-only inputs shared by forward and backward. Optional pointers are null
@@ -116,6 +134,8 @@ struct AttentionInputs {
   const int32_t* kv_seq_lengths = nullptr;
   const int32_t* q_segment_ids = nullptr;   // set together with kv_segment_ids
   const int32_t* kv_segment_ids = nullptr;
+  const float* sink_logits = nullptr;      // [N] f32 per-head sink logit, or null (vanilla)
+  const uint32_t* dropout_seed = nullptr;  // [4]: key0, key1, batch_offset, head_offset
 };
 
 struct ForwardOutputs {
@@ -136,6 +156,7 @@ struct BackwardOutputs {
   void* dk = nullptr;        // like k
   void* dv = nullptr;        // like v
   float* dbias = nullptr;    // [b', n', t', s'] = bias_dims, reduced over broadcast dims; or null
+  float* dsink = nullptr;    // [B, N] per-batch-row gradient of sink_logits, or null
 };
 
 // Checks sizes and options (not pointers). Messages name the field and the rule.

@@ -81,6 +81,13 @@ Status ValidateShapeAndOptions(const AttentionShape& shape, const AttentionOptio
     return Status::InvalidArgument("softcap (" + std::to_string(options.softcap) +
                                    ") must be finite (<= 0 disables it)");
   }
+  if (!(options.dropout_rate >= 0.0f && options.dropout_rate < 1.0f)) {
+    return Status::InvalidArgument("dropout_rate (" + std::to_string(options.dropout_rate) +
+                                   ") must be in [0, 1)");
+  }
+  if (options.dropout_rate > 0.0f && inputs.dropout_seed == nullptr) {
+    return Status::InvalidArgument("dropout_rate > 0 needs dropout_seed (got null)");
+  }
   if (inputs.bias != nullptr) MAXATTN_RETURN_IF_ERROR(CheckBroadcast("bias_dims", inputs.bias_dims, shape));
   if (inputs.mask != nullptr) MAXATTN_RETURN_IF_ERROR(CheckBroadcast("mask_dims", inputs.mask_dims, shape));
   if ((inputs.q_segment_ids == nullptr) != (inputs.kv_segment_ids == nullptr)) {

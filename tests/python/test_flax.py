@@ -210,8 +210,13 @@ def test_make_attention_fn_kwargs_and_errors():
     q, k, v = _qkv(k_heads=N)
     fn = mf.make_attention_fn(implementation="xla", is_causal=True, scale=0.5)
     _close(fn(q, k, v), maxattn.dot_product_attention(q, k, v, is_causal=True, scale=0.5))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        fn(q, k, v, dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.key(0))
+    # Dropout (issue 7) runs in the kernel when not deterministic; it needs the rng.
+    dropped = fn(q, k, v, dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.key(0))
+    _close(dropped, maxattn.dot_product_attention(q, k, v, is_causal=True, scale=0.5, implementation="xla",
+                                                  dropout_rate=0.1, dropout_rng=jax.random.key(0)))
+    assert not jnp.allclose(dropped, fn(q, k, v))
+    with pytest.raises(ValueError, match="dropout_rng"):
+        fn(q, k, v, dropout_rate=0.1, deterministic=False)
     _close(fn(q, k, v, dropout_rate=0.1, deterministic=True), fn(q, k, v))
     with pytest.raises(TypeError, match="return_max_logit"):
         mf.make_attention_fn(return_max_logit=True)

@@ -25,6 +25,7 @@
 #include "maxattn/cpu/kernels.h"
 #include "maxattn/cpu/thread_pool.h"
 #include "maxattn/cpu/visibility.h"
+#include "maxattn/dropout.h"
 
 namespace maxattn {
 namespace cpu {
@@ -90,8 +91,25 @@ MAXATTN_ALWAYS_INLINE void BackwardTask(const BackwardContext& ctx, int64_t task
         const float lse = ctx.saved.lse[li];
         lse_use[idx] = lse == -kInf ? kInf : lse;
       }
+      if (ctx.grads.dsink != nullptr) {
+        // dsink[b, n] = -sum_i p_sink(i) * (D_i - dlse_i), p_sink(i) = exp(sink - lse_i).
+        const float sink = in.sink_logits != nullptr ? in.sink_logits[n] : -kInf;
+        float acc = 0.0f;
+        if (!(sink == -kInf)) {
+          for (int64_t i = 0; i < T; ++i) {
+            const size_t idx = static_cast<size_t>(g * T + i);
+            acc -= std::exp(sink - lse_use[idx]) * dd[idx];
+          }
+        }
+        ctx.grads.dsink[b * N + n] = acc;
+      }
     }
   }
+  const bool dropout = ctx.options.dropout_rate > 0.0f;
+  const uint32_t drop_threshold = dropout ? DropoutThreshold(ctx.options.dropout_rate) : 0u;
+  const float drop_scale = dropout ? 1.0f / (1.0f - ctx.options.dropout_rate) : 1.0f;
+  std::vector<unsigned char> keep(dropout ? static_cast<size_t>(Bk * Bq) : 0, 0);
+  AlignedBuffer pzt(dropout ? Bk * Bq : 0);  // dropped probabilities P * Z, transposed
 
   AlignedBuffer dq_acc(G * T * Hp);
   AlignedBuffer k_buf(Bk * Hp), v_buf(Bk * Hvp), dk_acc(Bk * Hp), dv_acc(Bk * Hvp);
@@ -178,8 +196,22 @@ MAXATTN_ALWAYS_INLINE void BackwardTask(const BackwardContext& ctx, int64_t task
         // dPt = V dOᵀ;  dV += Pᵀ dO.
         Gemm<Isa>(kc, Bq, Hv, v_buf.data(), Hvp, 1, do_t.data(), Bq, dp, Bq, GemmMode::kOverwrite,
                   nullptr);
-        Gemm<Isa>(kc, Hvp, rows, s, Bq, 1, do_rows.data(), Hvp, dv_acc.data(), Hvp,
-                  GemmMode::kAccumulate, nullptr);
+        if (dropout) {
+          // Z = keep / (1 - rate): dV += (P Z)ᵀ dO and dP = Z (V dOᵀ).
+          std::fill(keep.begin(), keep.end(), 0);
+          DropoutKeepTile(in.dropout_seed, drop_threshold, b, n, i0, rows, j0, kc, Bq, keep.data());
+          float* pz = pzt.data();
+          for (int64_t e = 0; e < count; ++e) {
+            const bool kept = keep[static_cast<size_t>(e)] != 0;
+            pz[e] = kept ? s[e] * drop_scale : 0.0f;
+            dp[e] = kept ? dp[e] * drop_scale : 0.0f;
+          }
+          Gemm<Isa>(kc, Hvp, rows, pz, Bq, 1, do_rows.data(), Hvp, dv_acc.data(), Hvp,
+                    GemmMode::kAccumulate, nullptr);
+        } else {
+          Gemm<Isa>(kc, Hvp, rows, s, Bq, 1, do_rows.data(), Hvp, dv_acc.data(), Hvp,
+                    GemmMode::kAccumulate, nullptr);
+        }
         // dS (in place of P).
         for (int64_t jj = 0; jj < kc; ++jj) {
           float* srow = s + jj * Bq;

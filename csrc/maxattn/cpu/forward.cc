@@ -20,6 +20,7 @@
 #include "maxattn/cpu/kernels.h"
 #include "maxattn/cpu/thread_pool.h"
 #include "maxattn/cpu/visibility.h"
+#include "maxattn/dropout.h"
 
 namespace maxattn {
 namespace cpu {
@@ -70,6 +71,8 @@ MAXATTN_ALWAYS_INLINE void ForwardTask(const ForwardContext& ctx, int64_t task) 
   constexpr int64_t Bq = kBlockQ, Bk = kBlockKv;
   const int64_t Hvp = RoundUp(Hv, 16);
   const float softcap = ctx.options.softcap;
+  const bool dropout = ctx.options.dropout_rate > 0.0f;
+  const uint32_t drop_threshold = dropout ? DropoutThreshold(ctx.options.dropout_rate) : 0u;
 
   const RowVisibility vis(sh, ctx.options, in, b);
   int64_t lo, hi;
@@ -99,6 +102,7 @@ MAXATTN_ALWAYS_INLINE void ForwardTask(const ForwardContext& ctx, int64_t task) 
     const bool direct_v = in.dtype == DType::kFloat32 && Hv % 16 == 0;
     AlignedBuffer k_buf(direct_k ? 0 : Bk * H);
     AlignedBuffer v_buf(direct_v ? 0 : Bk * Hvp);
+    std::vector<unsigned char> keep(dropout ? static_cast<size_t>(Bk * Bq) : 0, 0);
 
     for (int64_t j0 = lo / Bk * Bk; j0 < hi; j0 += Bk) {
       const int64_t kc = std::min(Bk, S - j0);
@@ -179,6 +183,10 @@ MAXATTN_ALWAYS_INLINE void ForwardTask(const ForwardContext& ctx, int64_t task) 
         }
       }
       for (int64_t r = 0; r < Bq; ++r) l[r] = l[r] * alpha[r] + col_sum[r];
+      if (dropout) {  // drop after the denominator: dropout acts on normalised probabilities
+        DropoutKeepTile(in.dropout_seed, drop_threshold, b, n, i0, rows, j0, kc, Bq, keep.data());
+        for (int64_t e = 0; e < kc * Bq; ++e) s[e] = keep[static_cast<size_t>(e)] ? s[e] : 0.0f;
+      }
 
       // O = diag(alpha) O + P V, with P[i, j] = St[j, i].
       const float* v;
@@ -199,16 +207,36 @@ MAXATTN_ALWAYS_INLINE void ForwardTask(const ForwardContext& ctx, int64_t task) 
 
   // Epilogue: normalise and store rows; lse; this task's max_logit share.
   std::vector<float> row(static_cast<size_t>(std::max<int64_t>(Hv, 1)));
+  const float sink = in.sink_logits != nullptr ? in.sink_logits[n] : -kInf;
+  const bool has_sink = !(sink == -kInf);  // a NaN sink propagates
+  const float drop_scale = dropout ? 1.0f / (1.0f - ctx.options.dropout_rate) : 1.0f;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = i0 + r;
-    const bool empty = m[r] == -kInf;
-    const float inv = empty ? 0.0f : 1.0f / l[r];
+    // A row with a visible NaN logit is NaN (as in the reference), even when every visible
+    // logit is NaN and the running max therefore never left -inf.
+    const bool nan_row = tile_nan[r] != 0;
+    const bool empty = m[r] == -kInf && !nan_row;
+    float inv, lse;
+    if (!has_sink) {
+      inv = empty ? 0.0f : 1.0f / l[r];
+      lse = empty ? -kInf : m[r] + std::log(l[r]);
+    } else if (empty) {
+      inv = 0.0f;
+      lse = sink;
+    } else {
+      // Denominator l * e^m + e^sink, evaluated relative to M = max(m, sink).
+      const float mm = std::max(m[r], sink);
+      const float a = std::exp(m[r] - mm);
+      const float l2 = l[r] * a + std::exp(sink - mm);
+      inv = a / l2;
+      lse = mm + std::log(l2);
+    }
+    if (nan_row) inv = lse = kNaN;
+    if (dropout) inv *= drop_scale;
     const float* o = out_acc.data() + r * Hvp;
     for (int64_t h = 0; h < Hv; ++h) row[static_cast<size_t>(h)] = empty ? 0.0f : o[h] * inv;
     StoreRow(in.dtype, row.data(), Hv, ElemPtr(ctx.outputs.out, in.dtype, ((b * T + i) * N + n) * Hv));
-    if (ctx.outputs.lse != nullptr) {
-      ctx.outputs.lse[(b * N + n) * T + i] = empty ? -kInf : m[r] + std::log(l[r]);
-    }
+    if (ctx.outputs.lse != nullptr) ctx.outputs.lse[(b * N + n) * T + i] = lse;
   }
   float tmax = -kInf;
   bool tnan = false;

@@ -44,27 +44,39 @@ def _choose_backend(implementation: Optional[str], config: AttentionConfig, ops:
 
 @functools.cache
 def _fused(backend: str, config: AttentionConfig, want_lse: bool, want_max: bool, cp=None):
-    """A custom_vjp function (q, k, v, bias, rest) -> (out, lse, max_logit[B,N])."""
+    """A custom_vjp function (q, k, v, bias, sink_logits, rest) -> (out, lse, max_logit[B,N]).
+
+    rest = (mask, q_seq_lengths, kv_seq_lengths, q_segment_ids, kv_segment_ids,
+    dropout_seed): no gradient. sink_logits is differentiable (learnable sinks).
+    """
     # Partitioning rules (DP/TP sharding, context parallelism) wrap every backend.
     impl = sharding.partitioned(sharding.ReferenceBackend if backend == "xla" else backends.get(backend), cp)
 
-    @jax.custom_vjp
-    def fused(q, k, v, bias, rest):
-        return impl.forward(config, Operands(q, k, v, bias, *rest), want_lse, want_max)
+    def make_ops(q, k, v, bias, sink, rest):
+        return Operands(q, k, v, bias, *rest[:5], sink_logits=sink, dropout_seed=rest[5])
 
-    def fused_fwd(q, k, v, bias, rest):
-        ops = Operands(q, k, v, bias, *rest)
+    @jax.custom_vjp
+    def fused(q, k, v, bias, sink, rest):
+        return impl.forward(config, make_ops(q, k, v, bias, sink, rest), want_lse, want_max)
+
+    def fused_fwd(q, k, v, bias, sink, rest):
+        ops = make_ops(q, k, v, bias, sink, rest)
         out, lse, mx = impl.forward(config, ops, True, want_max)
         return (out, lse if want_lse else None, mx), (ops, out, lse)
 
     def fused_bwd(residuals, cotangents):
         ops, out, lse = residuals
         dout, dlse, _ = cotangents  # max_logit carries no gradient
-        dq, dk, dv, dbias = impl.backward(config, ops, out, lse, dout, dlse if want_lse else None)
+        dq, dk, dv, dbias, *dsink = impl.backward(config, ops, out, lse, dout, dlse if want_lse else None)
         if dbias is not None:
             dbias = dbias.astype(ops.bias.dtype)
-        rest_ct = jax.tree.map(lambda _: None, tuple(ops[4:]))
-        return dq, dk, dv, dbias, rest_ct
+        sink_ct = None
+        if ops.sink_logits is not None:
+            # Per-batch-row [B, N] from the backend; the sum over B (and, under
+            # sharding, over the batch shards) is the [N] gradient.
+            sink_ct = jnp.sum(dsink[0], axis=0).astype(ops.sink_logits.dtype)
+        rest_ct = jax.tree.map(lambda _: None, tuple(ops[4:9]) + (ops.dropout_seed,))
+        return dq, dk, dv, dbias, sink_ct, rest_ct
 
     fused.defvjp(fused_fwd, fused_bwd)
     return fused
@@ -86,6 +98,10 @@ def dot_product_attention(
     kv_segment_ids: Optional[jax.Array] = None,
     local_window_size: Union[int, tuple[int, int], None] = None,
     logits_soft_cap: Optional[float] = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Optional[jax.Array] = None,
+    softmax_type: Literal["vanilla", "off_by_one", "learnable"] = "vanilla",
+    sink_logits: Optional[jax.Array] = None,
     implementation: Optional[Implementation] = None,
     return_max_logit: bool = False,
     return_lse: bool = False,
@@ -119,6 +135,30 @@ def dot_product_attention(
       local_window_size: int w (= (w, w)) or (left, right): query i sees keys
         in [i - left, i + right] (shifted by the alignment's diagonal).
       logits_soft_cap: c > 0: logits -> c * tanh(logits / c) before softmax.
+      dropout_rate: attention dropout in [0, 1) (ValueError otherwise). Acts on
+        the normalised probabilities: p' = p * keep / (1 - rate), out = p' @ v;
+        lse and max_logit are unaffected. keep(b, n, i, j) is a counter-based
+        Philox4x32-10 hash of (dropout_rng, b, n, i, j) (csrc/maxattn/dropout.h,
+        identical in every backend and in the "xla" reference), so a key gives
+        reproducible results and the backward reuses the forward's mask.
+        0.0 is bit-identical to no dropout (dropout_rng is then ignored).
+        Under ``jit`` with sharded batch/heads each shard draws its part of the
+        same global mask. Under ``vmap`` with an unbatched key the "cpu" backend
+        folds the mapped axes into the batch, so every mapped instance gets an
+        independent mask; the "xla" backend (plain JAX vmap semantics) gives
+        every instance the same mask. With a batched (vmapped) key each instance
+        uses its own key (the "cpu" backend then runs the instances one after
+        another with ``lax.map``). Not supported with ``context_parallel``.
+      dropout_rng: a JAX PRNG key (``jax.random.key`` or a raw uint32[2]
+        ``PRNGKey``); required when ``dropout_rate > 0``.
+      softmax_type: "vanilla"; "off_by_one" (adds 1 = exp(0) to every softmax
+        denominator); or "learnable" (adds exp(sink_logits[n]): gpt-oss style
+        attention sinks). The sink logit is neither scaled nor soft-capped.
+        ``aux["lse"]`` includes the sink term, ``aux["max_logit"]`` excludes it.
+        A row with no visible key has output 0 and lse = the sink logit
+        (finite; 0 for off_by_one). Not supported with ``context_parallel``.
+      sink_logits: float32 [N], one sink logit per query head; required iff
+        ``softmax_type="learnable"``. Differentiable.
       implementation: None (auto: the platform's fused backend when it can run
         the call, else "xla" with a one-time warning naming the reason),
         "cpu" (C++ kernels), "cudnn" (GPU) or "xla" (pure JAX reference). An
@@ -163,10 +203,14 @@ def dot_product_attention(
         causal_alignment=causal_alignment, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, local_window_size=local_window_size,
-        logits_soft_cap=logits_soft_cap)
+        logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        softmax_type=softmax_type, sink_logits=sink_logits)
     backend = _choose_backend(implementation, config, ops)
     cp = cp_lib.make_spec(context_parallel, context_parallel_axis, load_balanced)
     if cp is not None:
+        if config.has_dropout or config.has_sink:
+            what = "dropout" if config.has_dropout else f"softmax_type={config.softmax_type!r}"
+            raise ValueError(f"`context_parallel` does not support {what} yet")
         cp_lib.check_supported(cp, config, ops)
 
     if backend is None and cp is None:
@@ -174,7 +218,8 @@ def dot_product_attention(
         lse = lse.astype(jnp.float32) if lse.dtype != jnp.float64 else lse
     else:
         fused = _fused(backend or "xla", config, bool(return_lse), bool(return_max_logit), cp)
-        out, lse, mx = fused(ops.query, ops.key, ops.value, ops.bias, tuple(ops[4:]))
+        out, lse, mx = fused(ops.query, ops.key, ops.value, ops.bias, ops.sink_logits,
+                             tuple(ops[4:9]) + (ops.dropout_seed,))
 
     if not (return_max_logit or return_lse):
         return out

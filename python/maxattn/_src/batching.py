@@ -5,6 +5,12 @@ axis V into the batch axis (V*B), call the same function once, and unfold the
 results; max_logit is returned per (batch, head) by every backend, so each
 mapped instance keeps its own maximum after unfolding. Nested vmaps fold
 recursively.
+
+Operands without a batch axis (REPL: the per-head sink logits, the dropout
+seed) are passed through unchanged when they are not mapped. When one of them
+IS mapped (e.g. vmap over dropout keys or per-layer sinks), the instances
+cannot share one call: the rule then runs the call once per mapped instance
+with `jax.lax.map` (sequential over the mapped axis).
 """
 
 from __future__ import annotations
@@ -18,6 +24,13 @@ from jax.custom_batching import custom_vmap
 # Roles of an operand's axis 0.
 BATCH = "batch"  # axis 0 is the batch B
 BCAST = "bcast"  # axis 0 is 1 (broadcast over the batch) or B
+REPL = "repl"    # no batch axis (same for every batch row)
+
+
+def _batched_spec(outs) -> tuple:
+    """custom_vmap's out_batched for `outs`: True per array, None for an absent (None)
+    output, so that the spec has the same tree structure as the values."""
+    return tuple(None if o is None else True for o in outs)
 
 
 def fold_into_batch(fn: Callable, in_roles: Sequence[str], out_reduce: Sequence[int | None]) -> Callable:
@@ -47,12 +60,24 @@ def fold_into_batch(fn: Callable, in_roles: Sequence[str], out_reduce: Sequence[
 
         @wrapped.def_vmap
         def rule(axis_size, in_batched, *arrays):
+            if any(b and r == REPL for b, r in zip(in_batched, roles)):
+                mapped = [a for a, b in zip(arrays, in_batched) if b]
+
+                def one(xs):
+                    it = iter(xs)
+                    return wrapped(*[next(it) if b else a for a, b in zip(arrays, in_batched)])
+
+                outs = tuple(jax.lax.map(one, mapped))
+                return outs, _batched_spec(outs)
             first = arrays[0]
             batch = first.shape[1] if in_batched[0] else first.shape[0]
             folded = []
             for a, batched, role in zip(arrays, in_batched, roles):
                 if a is None:
                     folded.append(None)
+                    continue
+                if role == REPL:  # not mapped (else the lax.map path above)
+                    folded.append(a)
                     continue
                 if not batched:
                     a = a[None]
@@ -72,7 +97,7 @@ def fold_into_batch(fn: Callable, in_roles: Sequence[str], out_reduce: Sequence[
                     if size0 == 1 and batch != 1:
                         o = jnp.sum(o, axis=1, keepdims=True)
                 unfolded.append(o)
-            return tuple(unfolded), tuple(o is not None for o in unfolded)
+            return tuple(unfolded), _batched_spec(unfolded)
 
         return wrapped
 

@@ -19,6 +19,7 @@ import numpy as np
 IMPLEMENTATIONS = ("cpu", "cudnn", "xla")
 ALIGNMENTS = ("top_left", "bottom_right")
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SOFTMAX_TYPES = ("vanilla", "off_by_one", "learnable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,9 @@ class AttentionConfig:
     """Static (hashable) options of one attention call, after canonicalisation.
 
     Window bounds are -1 when unbounded; softcap is 0.0 when absent.
+    dropout_rate is 0.0 without dropout (then there is no dropout seed operand);
+    softmax_type is "vanilla", "off_by_one" (the sink_logits operand holds
+    zeros) or "learnable" (sink_logits given by the caller, differentiable).
     """
 
     scale: float
@@ -39,6 +43,20 @@ class AttentionConfig:
     has_q_seq_lengths: bool
     has_kv_seq_lengths: bool
     has_segment_ids: bool
+    dropout_rate: float = 0.0
+    softmax_type: str = "vanilla"
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.dropout_rate > 0.0
+
+    @property
+    def has_sink(self) -> bool:
+        return self.softmax_type != "vanilla"
+
+    def cpu_extra_attributes(self) -> dict[str, Any]:
+        """The attributes only the CPU targets take, after the common ones (csrc/ffi/cpu_handlers.cc)."""
+        return dict(dropout_rate=np.float32(self.dropout_rate))
 
     def ffi_attributes(self) -> dict[str, Any]:
         """The attributes every FFI target takes (see csrc/ffi/decode.h)."""
@@ -74,6 +92,13 @@ class Operands(NamedTuple):
     kv_seq_lengths: Optional[jax.Array] = None
     q_segment_ids: Optional[jax.Array] = None
     kv_segment_ids: Optional[jax.Array] = None
+    sink_logits: Optional[jax.Array] = None   # float32 [N] iff softmax_type != "vanilla"
+    dropout_seed: Optional[jax.Array] = None  # uint32 [4] iff dropout_rate > 0 (see csrc/maxattn/dropout.h)
+
+
+# The nine operands every FFI target takes (csrc/ffi/decode.h); the extras
+# (sink_logits, dropout_seed) follow them in the CPU targets only.
+COMMON_OPERANDS = 9
 
 
 def _as_array(x: Any, name: str) -> jax.Array:
@@ -134,12 +159,57 @@ def check_flags(implementation: Any, return_max_logit: Any, return_lse: Any) -> 
     _check_bool(return_lse, "return_lse")
 
 
+def _dropout(dropout_rate: Any, dropout_rng: Any) -> tuple[float, Optional[jax.Array]]:
+    """Validates the dropout arguments; returns (rate, uint32 [4] seed or None)."""
+    if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float, np.floating, np.integer)):
+        raise TypeError(f"`dropout_rate` must be a Python float, got {type(dropout_rate).__name__}")
+    rate = float(dropout_rate)
+    if not (0.0 <= rate < 1.0):
+        raise ValueError(f"`dropout_rate` must be in [0, 1), got {dropout_rate}")
+    if rate == 0.0:
+        return 0.0, None
+    if dropout_rng is None:
+        raise ValueError("`dropout_rng` (a JAX PRNG key) is required when `dropout_rate` > 0")
+    if not hasattr(dropout_rng, "dtype"):
+        raise TypeError(f"`dropout_rng` must be a JAX PRNG key, got {type(dropout_rng).__name__}")
+    typed = jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key)
+    if typed:
+        if dropout_rng.shape != ():
+            raise ValueError(f"`dropout_rng` must be a single PRNG key (shape ()), got shape {dropout_rng.shape}")
+    elif not (dropout_rng.dtype == jnp.uint32 and dropout_rng.shape == (2,)):
+        raise TypeError("`dropout_rng` must be a JAX PRNG key (jax.random.key(...) or a raw uint32[2] "
+                        f"jax.random.PRNGKey), got dtype {dropout_rng.dtype} and shape {dropout_rng.shape}")
+    bits = jax.random.bits(dropout_rng, (2,), jnp.uint32)
+    # Words 2, 3: the (batch, head) offset of a shard's block (0 here; see sharding.py).
+    return rate, jnp.concatenate([bits, jnp.zeros((2,), jnp.uint32)])
+
+
+def _softmax_type(softmax_type: Any, sink_logits: Any, N: int) -> Optional[jax.Array]:
+    if softmax_type not in SOFTMAX_TYPES:
+        raise ValueError(f"`softmax_type` must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
+    if softmax_type != "learnable":
+        if sink_logits is not None:
+            raise ValueError(f'`sink_logits` is only used with softmax_type="learnable", got '
+                             f"softmax_type={softmax_type!r}")
+        return jnp.zeros((N,), jnp.float32) if softmax_type == "off_by_one" else None
+    if sink_logits is None:
+        raise ValueError('`sink_logits` (float32 [N]) is required with softmax_type="learnable"')
+    sink = _as_array(sink_logits, "sink_logits")
+    if not jnp.issubdtype(sink.dtype, jnp.floating):
+        raise TypeError(f"`sink_logits` must have a floating dtype (float32), got {sink.dtype}")
+    if tuple(sink.shape) != (N,):
+        raise ValueError(f"`sink_logits` must have shape [N] = [{N}] (one per query head), got {list(sink.shape)}")
+    return sink.astype(jnp.promote_types(sink.dtype, jnp.float32))
+
+
 def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
                  scale: Optional[float] = None, is_causal: bool = False,
                  causal_alignment: str = "top_left", query_seq_lengths: Any = None,
                  key_value_seq_lengths: Any = None, q_segment_ids: Any = None,
                  kv_segment_ids: Any = None, local_window_size: Any = None,
-                 logits_soft_cap: Optional[float] = None) -> tuple[AttentionConfig, Operands]:
+                 logits_soft_cap: Optional[float] = None, dropout_rate: Any = 0.0,
+                 dropout_rng: Any = None, softmax_type: Any = "vanilla",
+                 sink_logits: Any = None) -> tuple[AttentionConfig, Operands]:
     """Validates the public arguments; returns the static config and canonical operands."""
     q = _as_array(query, "query")
     k = _as_array(key, "key")
@@ -210,9 +280,13 @@ def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any =
         if not (cap > 0 and math.isfinite(cap)):
             raise ValueError(f"`logits_soft_cap` must be a finite float > 0, got {logits_soft_cap}")
 
+    rate, seed = _dropout(dropout_rate, dropout_rng)
+    sink = _softmax_type(softmax_type, sink_logits, N)
+
     config = AttentionConfig(
         scale=scale_value, is_causal=causal, bottom_right=causal_alignment == "bottom_right",
         window_left=left, window_right=right, softcap=cap, has_bias=b is not None,
         has_mask=m is not None, has_q_seq_lengths=qlen is not None,
-        has_kv_seq_lengths=kvlen is not None, has_segment_ids=qseg is not None)
-    return config, Operands(q, k, v, b, m, qlen, kvlen, qseg, kvseg)
+        has_kv_seq_lengths=kvlen is not None, has_segment_ids=qseg is not None,
+        dropout_rate=rate, softmax_type=softmax_type)
+    return config, Operands(q, k, v, b, m, qlen, kvlen, qseg, kvseg, sink, seed)

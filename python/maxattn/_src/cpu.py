@@ -44,7 +44,8 @@ def _placeholder(dtype) -> jax.Array:
 
 
 def _operand_list(ops: Operands) -> list[jax.Array]:
-    """The nine operands of every target, with placeholders for absent ones."""
+    """The nine common operands, then the CPU-only sink_logits and dropout_seed;
+    placeholders for absent ones."""
     def opt(x, dtype):
         return _placeholder(dtype) if x is None else x
     return [
@@ -53,7 +54,13 @@ def _operand_list(ops: Operands) -> list[jax.Array]:
         opt(ops.mask, jnp.bool_),
         opt(ops.q_seq_lengths, jnp.int32), opt(ops.kv_seq_lengths, jnp.int32),
         opt(ops.q_segment_ids, jnp.int32), opt(ops.kv_segment_ids, jnp.int32),
+        _placeholder(jnp.float32) if ops.sink_logits is None else ops.sink_logits.astype(jnp.float32),
+        opt(ops.dropout_seed, jnp.uint32),
     ]
+
+
+def _attributes(config: AttentionConfig) -> dict:
+    return {**config.ffi_attributes(), **config.cpu_extra_attributes()}
 
 
 def _forward_unbatched(config: AttentionConfig, want_lse: bool, want_max: bool, *arrays):
@@ -67,13 +74,13 @@ def _forward_unbatched(config: AttentionConfig, want_lse: bool, want_max: bool, 
         jax.ShapeDtypeStruct((B, N, T) if want_lse else (0,), f32),
         jax.ShapeDtypeStruct((B, N) if want_max else (0,), f32),
     )
-    out, lse, mx = jax.ffi.ffi_call(FWD_TARGET, shapes)(*_operand_list(ops), **config.ffi_attributes())
+    out, lse, mx = jax.ffi.ffi_call(FWD_TARGET, shapes)(*_operand_list(ops), **_attributes(config))
     return out, (lse if want_lse else None), (mx if want_max else None)
 
 
 def _backward_unbatched(config: AttentionConfig, *arrays):
-    ops = Operands(*arrays[:9])
-    out, lse, dout, dlse = arrays[9:]
+    ops = Operands(*arrays[:11])
+    out, lse, dout, dlse = arrays[11:]
     _register()
     q, k, v = ops.query, ops.key, ops.value
     f32 = jnp.float32
@@ -82,14 +89,16 @@ def _backward_unbatched(config: AttentionConfig, *arrays):
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype),
         jax.ShapeDtypeStruct(ops.bias.shape if ops.bias is not None else (0,), f32),
+        jax.ShapeDtypeStruct((q.shape[0], q.shape[2]) if ops.sink_logits is not None else (0,), f32),
     )
-    dq, dk, dv, dbias = jax.ffi.ffi_call(BWD_TARGET, shapes)(
+    dq, dk, dv, dbias, dsink = jax.ffi.ffi_call(BWD_TARGET, shapes)(
         *_operand_list(ops), out, dout, lse, _placeholder(f32) if dlse is None else dlse.astype(f32),
-        **config.ffi_attributes())
-    return dq, dk, dv, (dbias if ops.bias is not None else None)
+        **_attributes(config))
+    return (dq, dk, dv, (dbias if ops.bias is not None else None),
+            (dsink if ops.sink_logits is not None else None))
 
 
-_ROLES = (batching.BATCH,) * 3 + (batching.BCAST,) * 2 + (batching.BATCH,) * 4
+_ROLES = (batching.BATCH,) * 3 + (batching.BCAST,) * 2 + (batching.BATCH,) * 4 + (batching.REPL,) * 2
 
 
 @functools.cache
@@ -101,7 +110,7 @@ def _forward_fn(config: AttentionConfig, want_lse: bool, want_max: bool):
 @functools.cache
 def _backward_fn(config: AttentionConfig):
     return batching.fold_into_batch(
-        functools.partial(_backward_unbatched, config), _ROLES + (batching.BATCH,) * 4, (None, None, None, 3))
+        functools.partial(_backward_unbatched, config), _ROLES + (batching.BATCH,) * 4, (None, None, None, 3, None))
 
 
 def forward(config: AttentionConfig, ops: Operands, want_lse: bool, want_max: bool):
@@ -110,5 +119,9 @@ def forward(config: AttentionConfig, ops: Operands, want_lse: bool, want_max: bo
 
 
 def backward(config: AttentionConfig, ops: Operands, out, lse, dout, dlse):
-    """(dq, dk, dv, dbias f32 like ops.bias or None)."""
-    return _backward_fn(config)(*ops, out, lse, dout, dlse)
+    """(dq, dk, dv, dbias f32 like ops.bias or None), plus, only when ops has
+    sink_logits, dsink f32 [B, N]: the sink-logit gradient per batch row (the
+    caller sums it over axis 0). Backends without sink support return 4-tuples.
+    """
+    res = tuple(_backward_fn(config)(*ops, out, lse, dout, dlse))
+    return res if ops.sink_logits is not None else res[:4]

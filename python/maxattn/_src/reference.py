@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from maxattn._src.config import AttentionConfig, Operands
 
@@ -41,6 +42,62 @@ def visibility(config: AttentionConfig, ops: Operands) -> jax.Array:
     return vis
 
 
+_PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+_PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+
+
+def _mulhilo(m: int, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(high, low) 32-bit words of the 64-bit product m * x, in uint32 arithmetic only."""
+    u = jnp.uint32
+    x0, x1 = x & u(0xFFFF), x >> u(16)
+    m0, m1 = u(m & 0xFFFF), u(m >> 16)
+    p00, p01, p10, p11 = x0 * m0, x1 * m0, x0 * m1, x1 * m1
+    mid = (p00 >> u(16)) + (p01 & u(0xFFFF)) + (p10 & u(0xFFFF))
+    hi = p11 + (p01 >> u(16)) + (p10 >> u(16)) + (mid >> u(16))
+    return hi, x * u(m)
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 (Salmon et al. 2011) on uint32 arrays; as csrc/maxattn/dropout.h."""
+    u = jnp.uint32
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(_PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo(_PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = k0 + u(_PHILOX_W0)
+        k1 = k1 + u(_PHILOX_W1)
+    return c0, c1, c2, c3
+
+
+def dropout_threshold(rate: float) -> int:
+    """keep iff bits >= threshold; the same rounding as DropoutThreshold in dropout.h."""
+    t = float(np.float32(rate)) * 2.0 ** 32
+    return 0 if not t > 0 else min(int(t), 2 ** 32 - 1)
+
+
+def dropout_scale(rate: float) -> np.float32:
+    """1 / (1 - rate) in float32, as the kernels compute it."""
+    return np.float32(1) / (np.float32(1) - np.float32(rate))
+
+
+def dropout_keep(config: AttentionConfig, ops: Operands) -> jax.Array:
+    """Boolean [B, N, T, S]: keep(b, n, i, j) of csrc/maxattn/dropout.h for ops.dropout_seed."""
+    B, T, N, _ = ops.query.shape
+    S = ops.key.shape[1]
+    u = jnp.uint32
+    seed = ops.dropout_seed.astype(u)
+    b = jnp.arange(B, dtype=u)[:, None, None, None] + seed[2]
+    n = jnp.arange(N, dtype=u)[None, :, None, None] + seed[3]
+    i = jnp.arange(T, dtype=u)[None, None, :, None]
+    j = jnp.arange(S, dtype=u)[None, None, None, :]
+    shape = (B, N, T, S)
+    c0, c1, c2, c3 = (jnp.broadcast_to(x, shape) for x in (j >> u(2), i, n, b))
+    words = philox4x32_10(c0, c1, c2, c3, jnp.full(shape, seed[0], u), jnp.full(shape, seed[1], u))
+    w = jnp.broadcast_to(j & u(3), shape)
+    bits = jnp.where(w == 0, words[0], jnp.where(w == 1, words[1], jnp.where(w == 2, words[2], words[3])))
+    return bits >= u(dropout_threshold(config.dropout_rate))
+
+
 def raw_logits(config: AttentionConfig, ops: Operands) -> jax.Array:
     """scale * q.k + bias as [B, N, T, S] in at least float32 (pre-softcap)."""
     q, k = ops.query, ops.key
@@ -58,8 +115,11 @@ def attention(config: AttentionConfig, ops: Operands) -> tuple[jax.Array, jax.Ar
     """Returns (out [B,T,N,Hv] input dtype, lse [B,N,T] f32+, max_logit [B,N] f32+).
 
     max_logit here is per (batch, head); the public API reduces it over B.
-    Differentiable by JAX autodiff in query, key, value and bias; max_logit
-    carries no gradient.
+    Differentiable by JAX autodiff in query, key, value, bias and
+    ops.sink_logits; max_logit carries no gradient. With a sink (softmax_type
+    off_by_one / learnable) exp(sink[n]) joins every row's denominator and lse;
+    with dropout the normalised probabilities are multiplied by
+    keep / (1 - rate) (dropout_keep) before the product with v.
     """
     q, v = ops.query, ops.value
     N, K = q.shape[2], v.shape[2]
@@ -68,18 +128,29 @@ def attention(config: AttentionConfig, ops: Operands) -> tuple[jax.Array, jax.Ar
     vis = jnp.broadcast_to(visibility(config, ops), s.shape)
     neg_inf = jnp.asarray(-jnp.inf, ct)
 
-    max_logit = jnp.max(jnp.where(vis, jax.lax.stop_gradient(s), neg_inf), axis=(2, 3),
-                        initial=-jnp.inf)
+    s_vis = jnp.where(vis, jax.lax.stop_gradient(s), neg_inf)
+    max_logit = jnp.max(s_vis, axis=(2, 3), initial=-jnp.inf)
+    # NaN propagates explicitly: XLA:CPU's max reduction may drop NaN (fast min/max).
+    max_logit = jnp.where(jnp.any(jnp.isnan(s_vis), axis=(2, 3)), jnp.asarray(jnp.nan, ct), max_logit)
 
     logits = config.softcap * jnp.tanh(s / config.softcap) if config.softcap else s
     masked = jnp.where(vis, logits, neg_inf)
     row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True, initial=-jnp.inf))
+    sink = None
+    if ops.sink_logits is not None:
+        sink = ops.sink_logits.astype(ct)[None, :, None, None]
+        row_max = jnp.maximum(row_max, jax.lax.stop_gradient(sink))
     row_max = jnp.where(row_max == -jnp.inf, jnp.zeros_like(row_max), row_max)
     p = jnp.where(vis, jnp.exp(masked - row_max), jnp.zeros_like(masked))
     denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + jnp.exp(sink - row_max)
     empty = denom == 0
     safe_denom = jnp.where(empty, jnp.ones_like(denom), denom)
     weights = p / safe_denom
+    if config.dropout_rate > 0:
+        keep = dropout_keep(config, ops)
+        weights = jnp.where(keep, weights * jnp.asarray(dropout_scale(config.dropout_rate), ct), 0)
     v_full = jnp.repeat(v, N // K, axis=2) if K else v
     out = jnp.einsum("bnts,bsnh->btnh", weights, v_full.astype(ct), precision=jax.lax.Precision.HIGHEST)
     lse = jnp.where(empty, neg_inf, jnp.log(safe_denom) + row_max)[..., 0]

@@ -44,7 +44,7 @@ from maxattn._src import batching, context_parallel, reference
 from maxattn._src.config import AttentionConfig, Operands
 
 _FIELDS = Operands._fields
-_ROLES = (batching.BATCH,) * 3 + (batching.BCAST,) * 2 + (batching.BATCH,) * 4
+_ROLES = (batching.BATCH,) * 3 + (batching.BCAST,) * 2 + (batching.BATCH,) * 4 + (batching.REPL,) * 2
 
 _warned: set[str] = set()
 
@@ -99,16 +99,24 @@ class ReferenceBackend:
         rep = lambda x: jnp.repeat(x, G, axis=2) if G > 1 else x
         do = dout.astype(ct)
         dp = jnp.einsum("btnd,bsnd->bnts", do, rep(v).astype(ct), precision=hp)
+        pz = p
+        if config.dropout_rate > 0:
+            z = jnp.where(reference.dropout_keep(config, ops),
+                          jnp.asarray(reference.dropout_scale(config.dropout_rate), ct), 0)
+            pz = p * z
+            dp = dp * z
         D = jnp.transpose(jnp.sum(do * out.astype(ct), axis=-1), (0, 2, 1))[..., None]
-        ds = dp - D
-        if dlse is not None:
-            ds = ds + dlse.astype(ct)[..., None]
-        ds = p * ds
+        dd = D if dlse is None else D - dlse.astype(ct)[..., None]
+        dsink = None
+        if ops.sink_logits is not None:  # per batch row [B, N]
+            sink = ops.sink_logits.astype(ct)[None, :, None, None]
+            dsink = -jnp.sum(jnp.exp(sink - lse_b) * dd, axis=(2, 3)).astype(jnp.float32)
+        ds = p * (dp - dd)
         if config.softcap:
             ds = ds * (1.0 - th * th)
         dq = jnp.einsum("bnts,bsnh->btnh", ds, rep(k).astype(ct), precision=hp) * config.scale
         dk = jnp.einsum("bnts,btnh->bsnh", ds, q.astype(ct), precision=hp) * config.scale
-        dv = jnp.einsum("bnts,btnd->bsnd", p, do, precision=hp)
+        dv = jnp.einsum("bnts,btnd->bsnd", pz, do, precision=hp)
         B, S = k.shape[0], k.shape[1]
         dk = dk.reshape(B, S, K, G, -1).sum(3)
         dv = dv.reshape(B, S, K, G, -1).sum(3)
@@ -116,7 +124,8 @@ class ReferenceBackend:
         if config.has_bias:
             axes = tuple(i for i in range(4) if ops.bias.shape[i] == 1 and ds.shape[i] != 1)
             dbias = jnp.sum(ds, axis=axes, keepdims=True).reshape(ops.bias.shape).astype(jnp.float32)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
+        res = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias)
+        return res + ((dsink,) if dsink is not None else ())  # 5-tuple only with sinks
 
 
 # ----------------------------------------------------------------------------
@@ -198,6 +207,10 @@ class _Plan:
                 specs.append(self.q())
             elif name in ("lse", "dlse"):
                 specs.append(self.lse())
+            elif name == "sink_logits":
+                specs.append(P(_spec_entry(self.heads)))
+            elif name == "dropout_seed":
+                specs.append(P(None))
             else:  # pragma: no cover
                 raise AssertionError(name)
         return specs
@@ -255,7 +268,23 @@ def _make_plan(mesh, names, arg_shapes, cp: Optional[context_parallel.ContextPar
     return _Plan(batch, heads, kv_heads, seq, cp_size)
 
 
-def _sharding_rule(names, shapes, G, backward_bias_shape=None, forward=True, want_max=True):
+def _seed_with_offsets(ops: Operands, plan: _Plan) -> Operands:
+    """Adds this shard's global (batch, head) offset to words 2, 3 of the dropout seed,
+    so that every shard draws its part of the unsharded call's mask."""
+    if ops.dropout_seed is None or not (plan.batch or plan.heads):
+        return ops
+    seed = ops.dropout_seed
+    if plan.batch:
+        seed = seed.at[2].add(jax.lax.axis_index(plan.batch).astype(jnp.uint32)
+                              * jnp.uint32(ops.query.shape[0]))
+    if plan.heads:
+        seed = seed.at[3].add(jax.lax.axis_index(plan.heads).astype(jnp.uint32)
+                              * jnp.uint32(ops.query.shape[2]))
+    return ops._replace(dropout_seed=seed)
+
+
+def _sharding_rule(names, shapes, G, backward_bias_shape=None, forward=True, want_max=True,
+                   want_dsink=False):
     """Einsum-like Shardy rule: b batch, t/s sequence, k kv heads, g group, h/d head dims.
 
     Query heads are the compound factor (k g) so that TP shards q and kv heads
@@ -275,13 +304,16 @@ def _sharding_rule(names, shapes, G, backward_bias_shape=None, forward=True, wan
             "q_seq_lengths": "b", "kv_seq_lengths": "b",
             "q_segment_ids": "b t", "kv_segment_ids": "b s",
             "out": f"b t {H} d", "dout": f"b t {H} d", "lse": f"b {H} t", "dlse": f"b {H} t",
-        }.get(name) or bcast(shape))
+            "sink_logits": H,
+        }.get(name) or (next(uniq) if name == "dropout_seed" else bcast(shape)))
     if forward:
         res = [f"b t {H} d", f"b {H} t"] + ([f"b {H}"] if want_max else [])
     else:
         res = [f"b t {H} h", "b s k h", "b s k d"]
         if backward_bias_shape is not None:
             res.append(bcast(backward_bias_shape))
+        if want_dsink:
+            res.append(f"b {H}")
     sizes = {"g": G} if H == "(k g)" else {}
     return ", ".join(ops) + " -> " + ", ".join(res), sizes
 
@@ -320,7 +352,7 @@ def _forward_cp(impl, config: AttentionConfig, want_max: bool, cp, names: tuple,
 
         def lower(*arrays):
             with _no_abstract_mesh():
-                ops = unpack(arrays)
+                ops = _seed_with_offsets(unpack(arrays), plan)
                 if cp is not None and plan.cp_size > 1:
                     out, lse, mx = context_parallel.forward(impl, config, cp, plan.cp_size, want_max, ops)
                 else:
@@ -339,6 +371,7 @@ def _backward_cp(impl, config: AttentionConfig, cp, names: tuple, shapes: tuple,
     what = "attention backward"
     op_names = tuple(n for n in names if n in _FIELDS)
     bias_shape = shapes[names.index("bias")] if "bias" in names else None
+    has_sink = "sink_logits" in names
 
     def unpack(arrays):
         d = dict(zip(names, arrays))
@@ -347,8 +380,8 @@ def _backward_cp(impl, config: AttentionConfig, cp, names: tuple, shapes: tuple,
 
     def global_fn(*arrays):
         ops, out, lse, dout, dlse = unpack(arrays)
-        dq, dk, dv, db = impl.backward(config, ops, out, lse, dout, dlse)
-        return (dq, dk, dv) + ((db,) if bias_shape is not None else ())
+        dq, dk, dv, db, *ds = impl.backward(config, ops, out, lse, dout, dlse)
+        return (dq, dk, dv) + ((db,) if bias_shape is not None else ()) + ((ds[0],) if has_sink else ())
 
     fn = custom_partitioning(global_fn)
 
@@ -356,6 +389,8 @@ def _backward_cp(impl, config: AttentionConfig, cp, names: tuple, shapes: tuple,
         specs = [plan.q(), plan.kv(), plan.kv()]
         if bias_shape is not None:
             specs.append(plan.broadcastable(bias_shape))
+        if has_sink:
+            specs.append(plan.mx())
         return specs
 
     def infer(mesh, arg_shapes, result_shape):
@@ -369,18 +404,22 @@ def _backward_cp(impl, config: AttentionConfig, cp, names: tuple, shapes: tuple,
         def lower(*arrays):
             with _no_abstract_mesh():
                 ops, out, lse, dout, dlse = unpack(arrays)
+                ops = _seed_with_offsets(ops, plan)
+                ds = None
                 if cp is not None and plan.cp_size > 1:
                     dq, dk, dv = context_parallel.backward(impl, config, cp, plan.cp_size, ops, out, lse,
                                                            dout, dlse)
                     db = None
                 else:
-                    dq, dk, dv, db = impl.backward(config, ops, out, lse, dout, dlse)
+                    dq, dk, dv, db, *rest = impl.backward(config, ops, out, lse, dout, dlse)
+                    ds = rest[0] if rest else None
+                tail = (ds,) if has_sink else ()
                 if plan.heads and not plan.kv_heads:
                     # MQA with sharded query heads: each device holds part of the kv-head gradient.
                     dk = jax.lax.psum(dk.astype(jnp.float32), plan.heads).astype(dk.dtype)
                     dv = jax.lax.psum(dv.astype(jnp.float32), plan.heads).astype(dv.dtype)
                 if bias_shape is None:
-                    return dq, dk, dv
+                    return (dq, dk, dv) + tail
                 reduce_axes = ()
                 if bias_shape[0] == 1:
                     reduce_axes += plan.batch
@@ -388,11 +427,12 @@ def _backward_cp(impl, config: AttentionConfig, cp, names: tuple, shapes: tuple,
                     reduce_axes += plan.heads
                 if reduce_axes:
                     db = jax.lax.psum(db, reduce_axes)
-                return dq, dk, dv, db
+                return (dq, dk, dv, db) + tail
 
         return mesh, lower, _named(mesh, result_specs(plan)), arg_shardings
 
-    rule, sizes = _sharding_rule(names, shapes, G, backward_bias_shape=bias_shape, forward=False)
+    rule, sizes = _sharding_rule(names, shapes, G, backward_bias_shape=bias_shape, forward=False,
+                                 want_dsink=has_sink)
     fn.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **sizes)
     return fn
 
@@ -431,16 +471,19 @@ class Partitioned:
             present = [a for a in arrays if a is not None]
             shapes = tuple(tuple(a.shape) for a in present)
             res = _backward_cp(self.impl, config, self.cp, names, shapes, _group(arrays))(*present)
-            return (res[0], res[1], res[2], res[3] if config.has_bias else None)
-        return batching.fold_into_batch(fn, _ROLES + (batching.BATCH,) * 4, (None, None, None, 3))
+            has_sink = "sink_logits" in names
+            return (res[0], res[1], res[2], res[3] if config.has_bias else None,
+                    res[-1] if has_sink else None)
+        return batching.fold_into_batch(fn, _ROLES + (batching.BATCH,) * 4, (None, None, None, 3, None))
 
     def forward(self, config: AttentionConfig, ops: Operands, want_lse: bool, want_max: bool):
         out, lse, mx = self._forward_fn(config, bool(want_max))(*ops)
         return out, (lse if want_lse else None), mx
 
     def backward(self, config: AttentionConfig, ops: Operands, out, lse, dout, dlse):
-        dq, dk, dv, db = self._backward_fn(config)(*ops, out, lse, dout, dlse)
-        return dq, dk, dv, db
+        """(dq, dk, dv, dbias or None), plus dsink [B, N] when ops has sink_logits."""
+        res = tuple(self._backward_fn(config)(*ops, out, lse, dout, dlse))
+        return res if ops.sink_logits is not None else res[:4]
 
 
 @functools.cache

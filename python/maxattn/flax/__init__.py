@@ -90,12 +90,16 @@ def _attention(
     dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
     is_causal=False, *, _record: bool, _implementation, _name: str, _kwargs: dict,
 ):
+    # Attention dropout runs inside the kernel when not deterministic; the mask is
+    # drawn per (batch, head, query, key) (broadcast_dropout is not honoured: the
+    # mask is never shared across the batch).
+    dropout_kwargs = {}
     if dropout_rate > 0.0 and not deterministic:
-        raise NotImplementedError(
-            f"maxattn.flax.attention_fn: attention dropout is not supported yet "
-            f"(dropout_rate={dropout_rate}, deterministic={deterministic}); "
-            "use dropout_rate=0.0 or deterministic=True")
-    del broadcast_dropout, dropout_rng, precision  # precision: maxattn accumulates in float32
+        if dropout_rng is None:
+            raise ValueError("maxattn.flax.attention_fn: `dropout_rng` is required when dropout_rate > 0 "
+                             "and deterministic is False (Flax modules pass the 'dropout' rng stream)")
+        dropout_kwargs = dict(dropout_rate=float(dropout_rate), dropout_rng=dropout_rng)
+    del broadcast_dropout, precision  # precision: maxattn accumulates in float32
     if dtype is not None:
         query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
     else:
@@ -119,7 +123,8 @@ def _attention(
     kwargs["is_causal"] = bool(is_causal) or bool(kwargs.get("is_causal", False))
     record = _record and module is not None
     result = maxattn.dot_product_attention(
-        q, k, v, bias, mask, implementation=_implementation, return_max_logit=record, **kwargs)
+        q, k, v, bias, mask, implementation=_implementation, return_max_logit=record, **dropout_kwargs,
+        **kwargs)
     if record:
         out, aux = result
         sow_max_logit(module, aux["max_logit"], _name)
@@ -147,9 +152,9 @@ def make_attention_fn(
     whose ``make_causal_mask`` returns float 0/1) and ``bias``
     additive, broadcastable likewise. It returns [batch..., T, N, Hv].
     ``precision`` is ignored (maxattn accumulates in float32); ``dtype``, when
-    given, casts query/key/value. Attention dropout is not supported: a call
-    with ``dropout_rate > 0`` and ``deterministic=False`` raises
-    ``NotImplementedError``.
+    given, casts query/key/value. Attention dropout (``dropout_rate > 0`` and
+    ``deterministic=False``) runs in the kernel with ``dropout_rng``; the mask
+    is independent per batch row (``broadcast_dropout`` is ignored).
 
     Args:
       record_max_logit: sow the per-head max logit (float32 [N]) into
