@@ -16,3 +16,4 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest te
 
 echo "[test] Python: pytest, everything else"
 .venv/bin/python -m pytest tests/python -n "$(nproc)" -q --ignore=tests/python/test_sharding.py "$@"
+tools/sanitize.sh  # ASan+UBSan (C++ tests + a Python slice) and valgrind; see TESTING.md

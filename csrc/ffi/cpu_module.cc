@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 
 #include "ffi/handlers.h"
+#include "maxattn/cpu/fault_injection.h"
 
 namespace nb = nanobind;
 
@@ -21,4 +22,7 @@ NB_MODULE(_maxattn_cpu, m) {
     targets["maxattn_attention_bwd_cpu"] = EncapsulateFfiHandler(maxattn::ffi_glue::MaxattnAttentionBwdCpu);
     return targets;
   });
+  // Test-only: the next n scratch allocations of the CPU kernels fail (std::bad_alloc).
+  m.def("_fail_next_scratch_allocations",
+        [](int n) { maxattn::cpu::testing::FailNextScratchAllocations(n); }, nb::arg("n"));
 }

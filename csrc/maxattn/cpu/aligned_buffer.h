@@ -7,6 +7,8 @@
 #include <memory>
 #include <new>
 
+#include "maxattn/cpu/fault_injection.h"
+
 namespace maxattn::cpu {
 
 class AlignedBuffer {
@@ -19,6 +21,7 @@ class AlignedBuffer {
     data_.reset();
     size_ = 0;
     if (n <= 0) return;
+    if (testing::ConsumeScratchAllocationFailure()) throw std::bad_alloc();
     data_.reset(static_cast<float*>(
         ::operator new(static_cast<size_t>(n) * sizeof(float), std::align_val_t{kAlign})));
     size_ = n;

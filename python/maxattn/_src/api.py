@@ -225,7 +225,10 @@ def dot_product_attention(
         return out
     aux: dict[str, jax.Array] = {}
     if return_max_logit:
-        aux["max_logit"] = jax.lax.stop_gradient(jnp.max(mx, axis=0, initial=-jnp.inf).astype(jnp.float32))
+        # NaN-propagating max over the batch: XLA's CPU reduction may not propagate NaN.
+        batch_max = jnp.max(mx, axis=0, initial=-jnp.inf)
+        batch_max = jnp.where(jnp.any(jnp.isnan(mx), axis=0), jnp.nan, batch_max)
+        aux["max_logit"] = jax.lax.stop_gradient(batch_max.astype(jnp.float32))
     if return_lse:
         aux["lse"] = lse
     return out, aux
