@@ -11,9 +11,11 @@ cmake -S . -B build/cpp-tests -DMAXATTN_BUILD_PYTHON=OFF -DMAXATTN_BUILD_TESTS=O
 cmake --build build/cpp-tests -j "$(nproc)"
 ctest --test-dir build/cpp-tests --output-on-failure -j "$(nproc)"
 
+echo "[test] sanitizers: ASan+UBSan (C++ tests + a Python slice) and valgrind; see TESTING.md"
+tools/sanitize.sh
+
 echo "[test] Python: pytest, sharding and context parallelism on 8 simulated devices"
 XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest tests/python/test_sharding.py -q
 
 echo "[test] Python: pytest, everything else"
 .venv/bin/python -m pytest tests/python -n "$(nproc)" -q --ignore=tests/python/test_sharding.py "$@"
-tools/sanitize.sh  # ASan+UBSan (C++ tests + a Python slice) and valgrind; see TESTING.md
