@@ -63,5 +63,5 @@ fi
 valgrind --tool=memcheck --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite,indirect \
   --show-leak-kinds=definite,indirect -q \
   "$vg_bin" --gtest_brief=1 \
-  --gtest_filter="${MAXATTN_VALGRIND_FILTER:-Validate.*:Convert.*:ThreadPool.*:CpuAttention.*:CpuAttentionBackward.*}"
+  --gtest_filter="${MAXATTN_VALGRIND_FILTER:-Validate.*:ThreadPool.*:CpuAttention.CausalAlignments:CpuAttention.BiasBroadcastPatterns:CpuAttention.FullyMaskedRows:CpuAttention.ZeroSizes:CpuAttentionBackward.SoftcapSegmentsWindow:CpuDropoutSink.DropoutF*}"
 echo "[sanitize] done in $((SECONDS - t0)) s: zero ASan/UBSan/valgrind reports"

@@ -11,6 +11,9 @@ cmake -S . -B build/cpp-tests -DMAXATTN_BUILD_PYTHON=OFF -DMAXATTN_BUILD_TESTS=O
 cmake --build build/cpp-tests -j "$(nproc)"
 ctest --test-dir build/cpp-tests --output-on-failure -j "$(nproc)"
 
+echo "[test] cuDNN module: compile and link check (runs on the GPU machine only)"
+tools/cuda_build_check.sh
+
 echo "[test] sanitizers: ASan+UBSan (C++ tests + a Python slice) and valgrind; see TESTING.md"
 tools/sanitize.sh
 

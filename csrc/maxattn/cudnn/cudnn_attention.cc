@@ -85,7 +85,8 @@ class Scratch {
     if (total_ == 0) return Status::Ok();
     base_ = static_cast<char*>(ctx.allocate(static_cast<size_t>(total_)));
     if (!base_) {
-      return Status::Internal("could not allocate " + std::to_string(total_) + " bytes of cuDNN scratch memory");
+      return Status::Internal("the XLA FFI scratch allocator could not provide " + std::to_string(total_) +
+                              " bytes (16-byte aligned) for cuDNN workspace and softmax statistics");
     }
     return Status::Ok();
   }

@@ -14,7 +14,7 @@ namespace fe = cudnn_frontend;
 
 namespace {
 
-Status FromFe(const fe::error_t& err, const char* what) {
+Status FromFe(fe::error_t err, const char* what) {
   if (err.is_good()) return Status::Ok();
   std::string message = std::string("cuDNN ") + what + " failed: " + err.get_message();
   if (err.get_code() == fe::error_code_t::GRAPH_NOT_SUPPORTED) return Status::Unimplemented(message);

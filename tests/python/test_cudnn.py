@@ -1,0 +1,201 @@
+"""The cudnn backend against the float64 reference, on a CUDA GPU.
+
+Skipped (not passed) without a GPU: run on the device machine with
+tools/gpu_check.sh. Tolerances are DESIGN.md §3's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import maxattn
+from helpers import (MAX_TOL, OUT_TOL, assert_close, assert_max_logit_close, loss_and_grads,
+                     random_inputs, reference64)
+
+
+def _has_gpu() -> bool:
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax has none)")]
+
+# name: (B, T, S, N, K, H, Hv, dtype, kwargs builder, bias shape or None)
+CASES = {
+    "plain": (2, 128, 128, 4, 4, 64, 64, jnp.bfloat16, {}, None),
+    "causal_gqa": (2, 128, 128, 4, 2, 64, 64, jnp.bfloat16, {"is_causal": True}, None),
+    "causal_bottom_right": (2, 64, 160, 4, 4, 64, 64, jnp.bfloat16,
+                            {"is_causal": True, "causal_alignment": "bottom_right"}, None),
+    "padding_causal": (2, 128, 128, 4, 4, 64, 64, jnp.bfloat16,
+                       {"is_causal": True, "query_seq_lengths": [100, 37],
+                        "key_value_seq_lengths": [128, 53]}, None),
+    "padding_bottom_right": (2, 96, 128, 4, 2, 64, 64, jnp.bfloat16,
+                             {"is_causal": True, "causal_alignment": "bottom_right",
+                              "query_seq_lengths": [96, 20], "key_value_seq_lengths": [128, 70]}, None),
+    "padding_q_only": (2, 128, 128, 4, 4, 64, 64, jnp.bfloat16, {"query_seq_lengths": [128, 9]}, None),
+    "bias_1NTS": (2, 128, 128, 4, 4, 64, 64, jnp.bfloat16, {}, "1NTS"),
+    "bias_BNTS_causal": (2, 128, 128, 4, 2, 64, 64, jnp.bfloat16, {"is_causal": True}, "BNTS"),
+    "bias_B11S_padding": (2, 128, 128, 4, 4, 64, 64, jnp.bfloat16,
+                          {"query_seq_lengths": [128, 64], "key_value_seq_lengths": [90, 128]}, "B11S"),
+    "window": (2, 128, 128, 4, 4, 64, 64, jnp.bfloat16, {"local_window_size": (16, 8)}, None),
+    "window_causal": (2, 128, 128, 4, 4, 64, 64, jnp.bfloat16, {"is_causal": True, "local_window_size": (24, 0)},
+                      None),
+    "mqa_h128_hv64": (2, 128, 192, 8, 1, 128, 64, jnp.bfloat16, {}, None),
+    "fp16_causal": (2, 128, 128, 4, 2, 64, 64, jnp.float16, {"is_causal": True}, None),
+    "fp16_bias_padding": (2, 128, 128, 4, 4, 128, 128, jnp.float16,
+                          {"query_seq_lengths": [77, 128], "key_value_seq_lengths": [128, 101]}, "1NTS"),
+}
+
+
+def _inputs(name, seed=0):
+    B, T, S, N, K, H, Hv, dtype, kwargs, bias_shape = CASES[name]
+    q, k, v = random_inputs(seed, B, T, S, N, K, H, Hv, dtype)
+    rng = np.random.default_rng(seed + 7)
+    kwargs = {key: (jnp.asarray(val, jnp.int32) if "seq_lengths" in key else val) for key, val in kwargs.items()}
+    bias = None
+    if bias_shape:
+        full = dict(B=B, N=N, T=T, S=S)
+        bias = jnp.asarray(rng.standard_normal([full.get(c, 1) for c in bias_shape]), jnp.float32)
+    ct_out = jnp.asarray(rng.standard_normal((B, T, N, Hv)), jnp.float32)
+    ct_lse = jnp.asarray(rng.standard_normal((B, N, T)), jnp.float32)
+    return q, k, v, bias, ct_out, ct_lse, kwargs
+
+
+def _cudnn(q, k, v, bias, **kwargs):
+    return maxattn.dot_product_attention(q, k, v, bias, implementation="cudnn", **kwargs)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_backward_matches_reference(name):
+    q, k, v, bias, ct_out, ct_lse, kwargs = _inputs(name)
+    dtype = q.dtype.type
+    out, aux, grads = jax.jit(lambda *a: loss_and_grads(_cudnn, *a, **kwargs))(q, k, v, bias, ct_out, ct_lse)
+    r_out, r_aux, r_grads = reference64(q, k, v, bias, ct_out, ct_lse, **kwargs)
+    assert out.dtype == q.dtype and aux["lse"].dtype == jnp.float32 and aux["max_logit"].dtype == jnp.float32
+    assert_close(out, r_out, OUT_TOL[dtype], "out")
+    assert_close(aux["lse"], r_aux["lse"], OUT_TOL[dtype], "lse")
+    assert_max_logit_close(aux["max_logit"], r_aux["max_logit"], MAX_TOL[dtype])
+    for g, rg, what in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
+        assert g.shape == rg.shape, what
+        assert_close(g, rg, OUT_TOL[dtype], what)
+
+
+@pytest.mark.parametrize("name", ["plain", "padding_causal", "bias_1NTS", "bias_B11S_padding", "mqa_h128_hv64"])
+def test_grads_without_lse_cotangent(name):
+    """Gradients of <out, ct> alone: the backward without the folded lse column."""
+    q, k, v, bias, ct_out, _, kwargs = _inputs(name, seed=21)
+    argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
+
+    def loss(q, k, v, bias):
+        return jnp.sum(_cudnn(q, k, v, bias, **kwargs).astype(jnp.float32) * ct_out)
+
+    grads = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, bias)
+    _, _, r_grads = reference64(q, k, v, bias, ct_out, jnp.zeros(ct_out.shape[:1] + (q.shape[2], q.shape[1])),
+                                **kwargs)
+    for g, rg, what in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
+        assert_close(g, rg, OUT_TOL[q.dtype.type], what)
+
+
+@pytest.mark.parametrize("name", ["plain", "causal_gqa", "padding_causal", "bias_1NTS"])
+@pytest.mark.parametrize("flags", [(False, False), (True, False), (False, True)])
+def test_forward_output_subsets(name, flags):
+    """Calls asking for less (plain graph, max only, lse only) agree with the full call."""
+    want_max, want_lse = flags
+    q, k, v, bias, _, _, kwargs = _inputs(name, seed=3)
+    full_out, full_aux = _cudnn(q, k, v, bias, return_max_logit=True, return_lse=True, **kwargs)
+    res = _cudnn(q, k, v, bias, return_max_logit=want_max, return_lse=want_lse, **kwargs)
+    out, aux = (res, {}) if not (want_max or want_lse) else res
+    assert_close(out, full_out, 1e-2, "out")  # another graph may pick another engine
+    assert set(aux) == ({"max_logit"} if want_max else set()) | ({"lse"} if want_lse else set())
+    for key, val in aux.items():
+        np.testing.assert_allclose(np.asarray(val), np.asarray(full_aux[key]), rtol=1e-4, atol=1e-4)
+
+
+def test_max_logit_spike_in_one_batch_row():
+    """A logit spike in batch row 1 only: a missing reduction over the batch cannot pass."""
+    B, T, S, N, K, H = 3, 256, 256, 8, 8, 64
+    q, k, v = random_inputs(11, B, T, S, N, K, H, H, jnp.bfloat16)
+    q = q.at[1, 200, 5].set(jnp.asarray(np.full(H, 4.0), jnp.bfloat16))
+    k = k.at[1, 17, 5].set(jnp.asarray(np.full(H, 4.0), jnp.bfloat16))
+    _, aux = _cudnn(q, k, v, None, is_causal=True, return_max_logit=True)
+    _, r_aux, _ = reference64(q, k, v, None, jnp.zeros((B, T, N, H)), jnp.zeros((B, N, T)), is_causal=True)
+    assert float(aux["max_logit"][5]) == pytest.approx(128.0, rel=1e-3)
+    assert_max_logit_close(aux["max_logit"], r_aux["max_logit"], MAX_TOL[jnp.bfloat16])
+
+
+def test_fully_padded_rows_give_zero_and_neg_inf():
+    q, k, v, _, _, _, _ = _inputs("plain", seed=5)
+    kwargs = dict(query_seq_lengths=jnp.asarray([128, 128], jnp.int32),
+                  key_value_seq_lengths=jnp.asarray([0, 64], jnp.int32))
+    out, aux = _cudnn(q, k, v, None, return_max_logit=True, return_lse=True, **kwargs)
+    assert np.all(np.asarray(out[0], np.float32) == 0)
+    assert np.all(np.isneginf(np.asarray(aux["lse"][0])))
+    assert np.all(np.isfinite(np.asarray(out[1], np.float32)))
+    r_out, r_aux, _ = reference64(q, k, v, None, jnp.zeros(out.shape), jnp.zeros(aux["lse"].shape), **kwargs)
+    assert_close(out, r_out, OUT_TOL[jnp.bfloat16], "out")
+    assert_max_logit_close(aux["max_logit"], r_aux["max_logit"], MAX_TOL[jnp.bfloat16])
+
+
+def test_vmap_gives_each_instance_its_own_max():
+    q, k, v, _, _, _, _ = _inputs("causal_gqa", seed=9)
+    qs = jnp.stack([q, q * 2, q * 0.5])
+
+    def f(qq):
+        return _cudnn(qq, k, v, None, is_causal=True, return_max_logit=True)
+
+    outs, aux = jax.vmap(f)(qs)
+    assert aux["max_logit"].shape == (3, q.shape[2])
+    for i in range(3):
+        o_i, a_i = f(qs[i])
+        np.testing.assert_array_equal(np.asarray(outs[i], np.float32), np.asarray(o_i, np.float32))
+        np.testing.assert_allclose(np.asarray(aux["max_logit"][i]), np.asarray(a_i["max_logit"]), rtol=1e-6)
+
+
+def test_jit_compiles_once_and_grad_through_out_only():
+    q, k, v, _, _, _, _ = _inputs("causal_gqa", seed=13)
+    traces = []
+
+    def loss(q, k, v):
+        traces.append(1)
+        return jnp.sum(_cudnn(q, k, v, None, is_causal=True).astype(jnp.float32) ** 2)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    g1 = grad(q, k, v)
+    g2 = grad(q, k, v)
+    assert len(traces) == 1
+    for a, b in zip(g1, g2):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    def ref_loss(q, k, v):
+        return jnp.sum(maxattn.reference(q, k, v, is_causal=True).astype(jnp.float32) ** 2)
+
+    r = jax.grad(ref_loss, argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    for a, b, what in zip(g1, r, ("dq", "dk", "dv")):
+        assert_close(a, b, OUT_TOL[jnp.bfloat16], what)
+
+
+@pytest.mark.parametrize("kwargs, dtype, needle", [
+    ({}, jnp.float32, "float32"),
+    ({"logits_soft_cap": 30.0}, jnp.bfloat16, "not supported"),
+    ({"logits_soft_cap": 30.0, "is_causal": True}, jnp.bfloat16, "known cuDNN gap"),
+    ({"mask": np.ones((1, 1, 64, 64), bool)}, jnp.bfloat16, "dense boolean mask"),
+])
+def test_unsupported_configurations_raise_with_reason(kwargs, dtype, needle):
+    q, k, v = random_inputs(1, 1, 64, 64, 2, 2, 64, 64, dtype)
+    mask = kwargs.pop("mask", None)
+    with pytest.raises(ValueError, match=needle):
+        maxattn.dot_product_attention(q, k, v, None, mask, implementation="cudnn", **kwargs)
+
+
+def test_auto_uses_cudnn_on_gpu_and_falls_back_with_warning():
+    q, k, v = random_inputs(2, 1, 64, 64, 2, 2, 64, 64, jnp.bfloat16)
+    with pytest.warns(RuntimeWarning, match="known cuDNN gap"):
+        maxattn.dot_product_attention(q, k, v, is_causal=True, logits_soft_cap=20.0)
+    out = maxattn.dot_product_attention(q, k, v, is_causal=True)
+    ref = _cudnn(q, k, v, None, is_causal=True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Compile-and-link check of the cuDNN extension module on a machine without a
+# GPU (CI): builds _maxattn_cuda with MAXATTN_CUDA=ON and fails if the module
+# has undefined symbols other than Python's (which the interpreter provides).
+# Skips (exit 0, saying so) only when nvcc is absent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  echo "[cuda-check] no nvcc on this machine: cuDNN module not built"; exit 0
+fi
+export PATH="$PATH:/usr/local/cuda/bin"
+$py -m pip install -q "nvidia-cudnn-frontend>=1.10"
+cmake -S . -B build/cuda-check -DMAXATTN_CUDA=ON -DMAXATTN_BUILD_TESTS=OFF \
+  -DPython_EXECUTABLE="$py" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build/cuda-check -j "$(nproc)" --target _maxattn_cuda
+module=$(ls build/cuda-check/csrc/ffi/_maxattn_cuda*.so)
+missing=$(LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}" ldd -r "$module" 2>&1 \
+  | grep "undefined symbol" | grep -v -E "symbol: _?Py" || true)
+if [ -n "$missing" ]; then
+  echo "[cuda-check] $module has unresolved symbols:"; echo "$missing"; exit 1
+fi
+echo "[cuda-check] built and linked $module; no unresolved non-Python symbols"

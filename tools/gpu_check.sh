@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One-shot GPU check on the device machine: build + install the package with
+# the cuDNN module, run the GPU tests, compute-sanitizer memcheck on a small
+# subset, then the benchmark. Logs go to $OUT (default ./gpu_out).
+#
+#   tools/gpu_check.sh            # everything
+#   STAGES="build test" tools/gpu_check.sh
+#
+# Needs: nvcc, cuDNN 9 (nvidia-cudnn-cu13 pip package with headers), jax with
+# the CUDA plugin, scikit-build-core + nanobind, and the cudnn-frontend
+# headers in .cudnn_frontend/include (unpacked from the nvidia-cudnn-frontend
+# wheel) or installed via pip.
+set -u -o pipefail
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"build test bench memcheck"}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+status=0
+
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+{
+  echo "== environment"; date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+  $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())" || true
+  "$CUDACXX" --version | tail -1 || true
+  git rev-parse --short HEAD 2>/dev/null || echo "commit: (uncommitted tree)"
+} 2>&1 | tee "$OUT/env.log"
+
+if has build; then
+  echo "== build (pip install --no-build-isolation, MAXATTN_CUDA=ON)"
+  start=$(date +%s)
+  if ! $PY -m pip install --no-build-isolation --no-deps -v . \
+        -Ccmake.define.MAXATTN_CUDA=ON -Cbuild.verbose=false >"$OUT/build.log" 2>&1; then
+    echo "pip install FAILED (tail of build.log):"; tail -40 "$OUT/build.log"; exit 1
+  fi
+  echo "built in $(( $(date +%s) - start )) s"
+  $PY - <<'PY' 2>&1 | tee -a "$OUT/env.log"
+from maxattn._src import cudnn
+print("cudnn backend: version", cudnn.cudnn_version(), "reason:", cudnn._module()[1])
+import maxattn._maxattn_cuda as m
+print("supports {Stats, Max}:", m.supports_stats_with_max())
+PY
+fi
+
+if has test; then
+  echo "== GPU tests"
+  (cd tests/python && timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -m gpu -rfEs test_cudnn.py -p no:cacheprovider) 2>&1 \
+    | tee "$OUT/test.log" || status=1
+fi
+
+if has bench; then
+  echo "== benchmark"
+  timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
+fi
+if has memcheck; then
+  echo "== compute-sanitizer memcheck (small subset)"
+  (cd tests/python && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MEMCHECK_TIMEOUT:-240} compute-sanitizer --tool memcheck \
+      --error-exitcode 99 --target-processes all \
+      $PY -m pytest -q -x -p no:cacheprovider test_cudnn.py \
+      -k "padding_causal or bias_1NTS or fully_padded or (subsets and plain)") >"$OUT/memcheck.log" 2>&1
+  rc=$?
+  tail -15 "$OUT/memcheck.log"; echo "memcheck exit code: $rc"
+  [[ $rc -ne 0 ]] && status=1
+fi
+
+exit $status
