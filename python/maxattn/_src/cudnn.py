@@ -73,11 +73,6 @@ def _right_bound(config: AttentionConfig) -> Optional[int]:
 
 def unsupported_reason(config: AttentionConfig, ops: Operands) -> Optional[str]:
     """Why cuDNN cannot run this call, or None if it can."""
-    # Issue 7 (dropout, softmax types): CPU and reference only so far.
-    if getattr(config, "dropout_rate", 0.0) > 0.0:
-        return "dropout is not yet supported by the cudnn backend"
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
-        return f"softmax_type={config.softmax_type!r} is not yet supported by the cudnn backend"
     _, reason = _module()
     if reason is not None:
         return reason
@@ -96,9 +91,9 @@ def unsupported_reason(config: AttentionConfig, ops: Operands) -> Optional[str]:
                 "sequence lengths or an additive bias")
     if config.has_segment_ids:
         return "segment ids are not supported by the cudnn backend yet"
-    if getattr(config, "dropout_rate", 0.0) > 0.0:
+    if config.dropout_rate > 0.0:
         return "dropout is not supported by the cudnn backend yet"
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+    if config.softmax_type != "vanilla":
         return f"softmax_type={config.softmax_type!r} (attention sinks) is not supported by the cudnn backend yet"
     B, T, N, H = q.shape
     S, Hv = k.shape[1], v.shape[3]
