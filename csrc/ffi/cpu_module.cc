@@ -7,19 +7,14 @@
 
 namespace nb = nanobind;
 
-namespace {
-template <typename Fn>
-nb::capsule EncapsulateFfiHandler(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-}  // namespace
+using maxattn::ffi_glue::HandlerAddress;
 
 NB_MODULE(_maxattn_cpu, m) {
   m.doc() = "maxattn CPU backend: XLA FFI handler capsules";
   m.def("registrations", []() {
     nb::dict targets;
-    targets["maxattn_attention_fwd_cpu"] = EncapsulateFfiHandler(maxattn::ffi_glue::MaxattnAttentionFwdCpu);
-    targets["maxattn_attention_bwd_cpu"] = EncapsulateFfiHandler(maxattn::ffi_glue::MaxattnAttentionBwdCpu);
+    targets["maxattn_attention_fwd_cpu"] = nb::capsule(HandlerAddress(maxattn::ffi_glue::MaxattnAttentionFwdCpu));
+    targets["maxattn_attention_bwd_cpu"] = nb::capsule(HandlerAddress(maxattn::ffi_glue::MaxattnAttentionBwdCpu));
     return targets;
   });
   // Test-only: the next n scratch allocations of the CPU kernels fail (std::bad_alloc).

@@ -4,28 +4,18 @@
 #include <nanobind/nanobind.h>
 
 #include "maxattn/cudnn/cudnn_attention.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace maxattn::ffi_glue {
-XLA_FFI_DECLARE_HANDLER_SYMBOL(MaxattnAttentionFwdCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(MaxattnAttentionBwdCuda);
-}  // namespace maxattn::ffi_glue
+#include "ffi/handlers.h"
 
 namespace nb = nanobind;
 
-namespace {
-template <typename Fn>
-nb::capsule EncapsulateFfiHandler(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-}  // namespace
+using maxattn::ffi_glue::HandlerAddress;
 
 NB_MODULE(_maxattn_cuda, m) {
   m.doc() = "maxattn cuDNN backend: XLA FFI handler capsules";
   m.def("registrations", []() {
     nb::dict targets;
-    targets["maxattn_attention_fwd_cuda"] = EncapsulateFfiHandler(maxattn::ffi_glue::MaxattnAttentionFwdCuda);
-    targets["maxattn_attention_bwd_cuda"] = EncapsulateFfiHandler(maxattn::ffi_glue::MaxattnAttentionBwdCuda);
+    targets["maxattn_attention_fwd_cuda"] = nb::capsule(HandlerAddress(maxattn::ffi_glue::MaxattnAttentionFwdCuda));
+    targets["maxattn_attention_bwd_cuda"] = nb::capsule(HandlerAddress(maxattn::ffi_glue::MaxattnAttentionBwdCuda));
     return targets;
   });
   m.def("cudnn_version", []() { return maxattn::cudnn::RuntimeVersion(); },
