@@ -1,6 +1,9 @@
 // Timing of the CPU forward/backward (not a test). Prints ms and GFLOP/s,
 // counting 4*B*N*T*S*H flops for the forward (2 GEMMs) halved when causal.
-// usage: bench_cpu [B T N K H causal iters]
+// usage: bench_cpu [B T N K H causal iters with_max_logit run_backward]
+// with_max_logit=0 does not request max_logit, so the difference of two runs
+// (e.g. instruction counts under `valgrind --tool=callgrind`, which are
+// repeatable on a loaded machine) is the cost of max_logit.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +17,8 @@ int main(int argc, char** argv) {
   const int64_t B = arg(1, 1), T = arg(2, 2048), N = arg(3, 8), K = arg(4, N), H = arg(5, 64);
   const bool causal = arg(6, 0) != 0;
   const int iters = static_cast<int>(arg(7, 10));
+  const bool with_max = arg(8, 1) != 0;
+  const int passes = arg(9, 1) != 0 ? 2 : 1;
   const int64_t S = T;
   std::mt19937 rng(1);
   std::normal_distribution<float> dist;
@@ -29,12 +34,12 @@ int main(int argc, char** argv) {
   in.q = q.data();
   in.k = k.data();
   in.v = v.data();
-  maxattn::ForwardOutputs fo{out.data(), lse.data(), ml.data()};
+  maxattn::ForwardOutputs fo{out.data(), lse.data(), with_max ? ml.data() : nullptr};
   std::vector<float> dout(q.size(), 0.5f), dq(q.size()), dk(k.size()), dv(v.size());
   maxattn::BackwardInputs bi{out.data(), dout.data(), lse.data(), nullptr};
   maxattn::BackwardOutputs bo{dq.data(), dk.data(), dv.data(), nullptr};
   const double flops = 4.0 * static_cast<double>(B * N * T * S * H) * (causal ? 0.5 : 1.0);
-  for (int pass = 0; pass < 2; ++pass) {
+  for (int pass = 0; pass < passes; ++pass) {
     double best = 1e30;
     for (int it = 0; it < iters + 1; ++it) {
       const auto t0 = std::chrono::steady_clock::now();
