@@ -5,7 +5,7 @@
 # Skips (exit 0, saying so) only when nvcc is absent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py=${PYTHON:-.venv/bin/python}
+py=${PYTHON:-$PWD/.venv/bin/python}  # absolute: CMake runs it from the build folder
 if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
   echo "[cuda-check] no nvcc on this machine: cuDNN module not built"; exit 0
 fi
