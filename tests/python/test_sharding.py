@@ -316,3 +316,36 @@ def test_dropout_and_sinks_sharded_match_unsharded():
     g = jax.jit(jax.grad(f, argnums=(0, 2)))(qs, ks, sink)
     np.testing.assert_allclose(np.asarray(g[0]), np.asarray(gref[0]), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(g[1]), np.asarray(gref[1]), rtol=1e-5, atol=1e-5)
+
+
+@needs8
+def test_qk_clip_transform_on_a_sharded_mesh():
+    """QK-Clip's optax transform under jit with parameters and max logits sharded
+    over a (dp, tp) mesh equals the single-device result, with no all-gather."""
+    optax = pytest.importorskip("optax")
+    from maxattn.qk_clip import qk_clip_transform
+
+    D, N, K, H = 16, 8, 4, 8
+    ks = jax.random.split(jax.random.key(3), 4)
+    params = {"attn": {
+        "query": {"kernel": jax.random.normal(ks[0], (D, N, H)), "bias": jax.random.normal(ks[1], (N, H))},
+        "key": {"kernel": jax.random.normal(ks[2], (D, K, H)), "bias": jax.random.normal(ks[3], (K, H))}}}
+    updates = jax.tree.map(lambda p: 0.01 * jnp.ones_like(p), params)
+    max_logits = {("attn",): jnp.linspace(10.0, 200.0, N)}  # heads on both sides of tau
+    tx = qk_clip_transform(threshold=100.0, alpha=0.5)
+
+    def step(u, p, s):
+        out, _ = tx.update(u, tx.init(p), p, max_logits=s)
+        return optax.apply_updates(p, out)
+
+    expected = jax.jit(step)(updates, params, max_logits)
+    mesh = Mesh(np.array(jax.devices()[:NDEV]).reshape(2, 4), ("dp", "tp"))
+    head_spec = lambda x: NamedSharding(mesh, P(*([None] * (x.ndim - 2)), "tp", None))
+    shard = lambda tree: jax.tree.map(lambda x: jax.device_put(x, head_spec(x)), tree)
+    s_sharded = {("attn",): jax.device_put(max_logits[("attn",)], NamedSharding(mesh, P("tp")))}
+    compiled = jax.jit(step).lower(shard(updates), shard(params), s_sharded).compile()
+    got = compiled(shard(updates), shard(params), s_sharded)
+    assert "all-gather" not in compiled.as_text()
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, expected)
+    q_kernel = got["attn"]["query"]["kernel"]
+    assert q_kernel.sharding.is_equivalent_to(head_spec(q_kernel), q_kernel.ndim)
