@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup_env.sh test
+export PATH="$PWD/.venv/bin:$PATH"  # the venv's cmake and ninja
 
 echo "[test] C++ core: GoogleTest"
 cmake -S . -B build/cpp-tests -DMAXATTN_BUILD_PYTHON=OFF -DMAXATTN_BUILD_TESTS=ON -DMAXATTN_CUDA=OFF \
