@@ -373,3 +373,22 @@ def test_bfloat16_matches_single_device(impl, mesh_shape, strategy, lb, heads):
     assert_max_logit_close(aux["max_logit"], raux["max_logit"], 1e-3)
     for name, g, rg in zip(("dq", "dk", "dv"), grads, rgrads):
         assert_close(g, rg, 2e-2, name)
+
+
+@needs8
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_nan_on_one_cp_shard_reaches_max_logit(impl, strategy):
+    """A NaN logit on one sequence shard makes that head's global max_logit NaN (DESIGN §1.1)."""
+    mesh = _mesh(1, 8, 1)
+    q, k, v, _, _ = _inputs(5, 4)
+    q[0, 5, 2, 0] = np.nan  # query row 5 lives on the first cp shard; head 2 only
+    spec = NamedSharding(mesh, P(None, "cp", None, None))
+
+    @jax.jit
+    def f(q, k, v):
+        return maxattn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
+                                             context_parallel=strategy, context_parallel_axis="cp",
+                                             return_max_logit=True)[1]["max_logit"]
+
+    mx = np.asarray(f(*(jax.device_put(x, spec) for x in (q, k, v))))
+    assert np.isnan(mx[2]) and np.isfinite(np.delete(mx, 2)).all(), mx

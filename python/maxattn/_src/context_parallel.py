@@ -50,6 +50,12 @@ class ContextParallel:
     load_balanced: bool
 
 
+def pmax_nan(x, axis):
+    """`lax.pmax` that propagates NaN: a collective max need not, and max_logit must."""
+    any_nan = lax.pmax(jnp.isnan(x).astype(jnp.int32), axis) > 0
+    return jnp.where(any_nan, jnp.nan, lax.pmax(x, axis))
+
+
 def make_spec(context_parallel, context_parallel_axis, load_balanced) -> Optional[ContextParallel]:
     """Validates the public CP arguments; None when CP is not requested."""
     if not isinstance(load_balanced, bool):
@@ -253,7 +259,7 @@ def forward(impl, config: AttentionConfig, cp: ContextParallel, cp_size: int, wa
         mx = mxs[0]
         for m in mxs[1:]:
             mx = jnp.maximum(mx, m)
-        mx = lax.pmax(mx, axis)
+        mx = pmax_nan(mx, axis)
     return out.astype(ops.query.dtype), lse, mx
 
 
@@ -416,7 +422,7 @@ def _all_gather_causal_forward(impl, config, cp, cp_size, want_max, ops, rank):
         mx = m if mx is None else jnp.maximum(mx, m)
     out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
     lse = jnp.concatenate(lses, axis=2) if len(lses) > 1 else lses[0]
-    return out, lse, (lax.pmax(mx, cp.axis) if want_max else None)
+    return out, lse, (pmax_nan(mx, cp.axis) if want_max else None)
 
 
 def _all_gather_causal_backward(impl, config, cp, cp_size, ops, out, lse, dout, dlse, rank):
@@ -491,7 +497,7 @@ def _ring_causal_forward(impl, config, cp, cp_size, want_max, ops, rank):
         acc = _merge(acc, part)
         block = nxt
     out, lse, mx = acc
-    return out.astype(q.dtype), lse, (lax.pmax(mx, cp.axis) if want_max else None)
+    return out.astype(q.dtype), lse, (pmax_nan(mx, cp.axis) if want_max else None)
 
 
 def _ring_causal_backward(impl, config, cp, cp_size, ops, out, lse, dout, dlse, rank):
