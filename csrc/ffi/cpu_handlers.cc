@@ -46,21 +46,10 @@ ffi::Error ForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
        has_q_seq_lengths, has_kv_seq_lengths, has_segment_ids},
       ffi::DataType::F32, &call));
   MAXATTN_FFI_RETURN_IF_ERROR(DecodeExtras(kFwdOp, sink_logits, dropout_seed, dropout_rate, &call));
-  const AttentionShape& s = call.shape;
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kFwdOp, "out", out->element_type(), q.element_type()));
-  MAXATTN_FFI_RETURN_IF_ERROR(
-      CheckDims(kFwdOp, "out", out->dimensions(), {s.batch, s.q_len, s.num_q_heads, s.head_dim_v}));
-  bool want_lse = false, want_max = false;
-  MAXATTN_FFI_RETURN_IF_ERROR(
-      CheckOutput(kFwdOp, "lse", *lse, ffi::DataType::F32, {s.batch, s.num_q_heads, s.q_len}, &want_lse));
-  MAXATTN_FFI_RETURN_IF_ERROR(
-      CheckOutput(kFwdOp, "max_logit", *max_logit, ffi::DataType::F32, {s.batch, s.num_q_heads}, &want_max));
-
   ForwardOutputs outputs;
-  outputs.out = out->untyped_data();
-  outputs.lse = want_lse ? static_cast<float*>(lse->untyped_data()) : nullptr;
-  outputs.max_logit = want_max ? static_cast<float*>(max_logit->untyped_data()) : nullptr;
-  return ToFfiError(AttentionForwardCpu(s, call.options, call.inputs, outputs));
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      DecodeForwardOutputs(kFwdOp, call, q.element_type(), *out, *lse, *max_logit, &outputs));
+  return ToFfiError(AttentionForwardCpu(call.shape, call.options, call.inputs, outputs));
 }
 
 ffi::Error BackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,

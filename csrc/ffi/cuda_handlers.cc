@@ -44,22 +44,11 @@ ffi::Error ForwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
       {scale, is_causal, bottom_right, window_left, window_right, softcap, has_bias, has_mask, has_q_seq_lengths,
        has_kv_seq_lengths, has_segment_ids},
       q.element_type(), &call));
-  const AttentionShape& s = call.shape;
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kFwdOp, "out", out->element_type(), q.element_type()));
-  MAXATTN_FFI_RETURN_IF_ERROR(
-      CheckDims(kFwdOp, "out", out->dimensions(), {s.batch, s.q_len, s.num_q_heads, s.head_dim_v}));
-  bool want_lse = false, want_max = false;
-  MAXATTN_FFI_RETURN_IF_ERROR(
-      CheckOutput(kFwdOp, "lse", *lse, ffi::DataType::F32, {s.batch, s.num_q_heads, s.q_len}, &want_lse));
-  MAXATTN_FFI_RETURN_IF_ERROR(
-      CheckOutput(kFwdOp, "max_logit", *max_logit, ffi::DataType::F32, {s.batch, s.num_q_heads}, &want_max));
-
   ForwardOutputs outputs;
-  outputs.out = out->untyped_data();
-  outputs.lse = want_lse ? static_cast<float*>(lse->untyped_data()) : nullptr;
-  outputs.max_logit = want_max ? static_cast<float*>(max_logit->untyped_data()) : nullptr;
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      DecodeForwardOutputs(kFwdOp, call, q.element_type(), *out, *lse, *max_logit, &outputs));
   try {
-    return ToFfiError(cudnn::AttentionForwardCudnn(s, call.options, call.inputs, outputs,
+    return ToFfiError(cudnn::AttentionForwardCudnn(call.shape, call.options, call.inputs, outputs,
                                                    MakeContext(stream, device, scratch)));
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string(kFwdOp) + ": " + e.what());

@@ -155,6 +155,26 @@ inline ffi::Error CheckOutput(std::string_view op, std::string_view operand, con
   return CheckDims(op, operand, dims, expected);
 }
 
+// Checks the forward results (out; lse and max_logit requested by shape) and
+// points `outputs` at them; unrequested optional outputs stay null.
+inline ffi::Error DecodeForwardOutputs(std::string_view op, const DecodedCall& call, ffi::DataType dtype,
+                                       ffi::AnyBuffer& out, ffi::AnyBuffer& lse, ffi::AnyBuffer& max_logit,
+                                       ForwardOutputs* outputs) {
+  const AttentionShape& s = call.shape;
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(op, "out", out.element_type(), dtype));
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckDims(op, "out", out.dimensions(), {s.batch, s.q_len, s.num_q_heads, s.head_dim_v}));
+  bool want_lse = false, want_max = false;
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckOutput(op, "lse", lse, ffi::DataType::F32, {s.batch, s.num_q_heads, s.q_len}, &want_lse));
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckOutput(op, "max_logit", max_logit, ffi::DataType::F32, {s.batch, s.num_q_heads}, &want_max));
+  outputs->out = out.untyped_data();
+  outputs->lse = want_lse ? static_cast<float*>(lse.untyped_data()) : nullptr;
+  outputs->max_logit = want_max ? static_cast<float*>(max_logit.untyped_data()) : nullptr;
+  return ffi::Error::Success();
+}
+
 }  // namespace maxattn::ffi_glue
 
 #endif  // MAXATTN_FFI_DECODE_H_
