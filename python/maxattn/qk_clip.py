@@ -105,7 +105,7 @@ def _check_hparams(threshold, alpha):
 def _eta(max_logit, threshold, num_kv_heads):
     s = jnp.asarray(max_logit, jnp.float32)
     if s.ndim < 1:
-        raise ValueError(f"max_logit must have shape [..., N], got a scalar")
+        raise ValueError("`max_logit` must have shape [..., N], got a scalar")
     n = s.shape[-1]
     k = n if num_kv_heads is None else int(num_kv_heads)
     if k <= 0 or n % k:

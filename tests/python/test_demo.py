@@ -1,7 +1,5 @@
 """Smoke test of the demo: a few steps of a tiny model, outputs written."""
 
-import os
-
 import numpy as np
 import pytest
 

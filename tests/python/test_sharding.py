@@ -28,7 +28,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import maxattn
 from helpers import assert_close, assert_max_logit_close, loss_and_grads, reference64
-from maxattn._src import backends, sharding
 
 NDEV = 8
 HAVE_DEVICES = jax.device_count() >= NDEV

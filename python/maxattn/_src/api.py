@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 import jax
 import jax.numpy as jnp

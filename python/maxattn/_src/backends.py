@@ -13,6 +13,9 @@ import importlib
 from types import ModuleType
 from typing import Optional
 
+import jax
+import jax.numpy as jnp
+
 from maxattn._src.config import AttentionConfig, Operands
 
 _MODULES = {"cpu": "maxattn._src.cpu", "cudnn": "maxattn._src.cudnn"}
@@ -34,3 +37,16 @@ def unsupported_reason(name: str, config: AttentionConfig, ops: Operands) -> Opt
     except ImportError as e:
         return f"the {name} backend is not available ({e})"
     return module.unsupported_reason(config, ops)
+
+
+def forward_result_types(ops: Operands, want_lse: bool, want_max: bool) -> tuple:
+    """Result types of every forward FFI target: out [B, T, N, Hv] in the input
+    dtype, lse [B, N, T] f32 and max_logit [B, N] f32; an unrequested optional
+    result is the placeholder [0]."""
+    B, T, N, _ = ops.query.shape
+    Hv = ops.value.shape[3]
+    return (
+        jax.ShapeDtypeStruct((B, T, N, Hv), ops.query.dtype),
+        jax.ShapeDtypeStruct((B, N, T) if want_lse else (0,), jnp.float32),
+        jax.ShapeDtypeStruct((B, N) if want_max else (0,), jnp.float32),
+    )

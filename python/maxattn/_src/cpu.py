@@ -8,7 +8,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from maxattn._src import batching
+from maxattn._src import backends, batching
 from maxattn._src.config import SUPPORTED_DTYPES, AttentionConfig, Operands
 
 try:
@@ -66,14 +66,7 @@ def _attributes(config: AttentionConfig) -> dict:
 def _forward_unbatched(config: AttentionConfig, want_lse: bool, want_max: bool, *arrays):
     ops = Operands(*arrays)
     _register()
-    B, T, N, _ = ops.query.shape
-    Hv = ops.value.shape[3]
-    f32 = jnp.float32
-    shapes = (
-        jax.ShapeDtypeStruct((B, T, N, Hv), ops.query.dtype),
-        jax.ShapeDtypeStruct((B, N, T) if want_lse else (0,), f32),
-        jax.ShapeDtypeStruct((B, N) if want_max else (0,), f32),
-    )
+    shapes = backends.forward_result_types(ops, want_lse, want_max)
     out, lse, mx = jax.ffi.ffi_call(FWD_TARGET, shapes)(*_operand_list(ops), **_attributes(config))
     return out, (lse if want_lse else None), (mx if want_max else None)
 

@@ -25,7 +25,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from maxattn._src import batching
+from maxattn._src import backends, batching
 from maxattn._src.config import AttentionConfig, Operands
 
 FWD_TARGET = "maxattn_attention_fwd_cuda"
@@ -142,14 +142,7 @@ def _prepare(config: AttentionConfig, ops: Operands):
 def _forward_unbatched(config: AttentionConfig, want_lse: bool, want_max: bool, *arrays):
     ops = Operands(*arrays)
     _module()
-    B, T, N, _ = ops.query.shape
-    Hv = ops.value.shape[3]
-    f32 = jnp.float32
-    shapes = (
-        jax.ShapeDtypeStruct((B, T, N, Hv), ops.query.dtype),
-        jax.ShapeDtypeStruct((B, N, T) if want_lse else (0,), f32),
-        jax.ShapeDtypeStruct((B, N) if want_max else (0,), f32),
-    )
+    shapes = backends.forward_result_types(ops, want_lse, want_max)
     operands, attrs, _ = _prepare(config, ops)
     out, lse, mx = jax.ffi.ffi_call(FWD_TARGET, shapes)(*operands, **attrs)
     return out, (lse if want_lse else None), (mx if want_max else None)

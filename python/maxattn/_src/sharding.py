@@ -221,7 +221,7 @@ def _make_plan(mesh, names, arg_shapes, cp: Optional[context_parallel.ContextPar
         raise AssertionError(names)
     q = arg_shapes[0]
     k = arg_shapes[names.index("key")]
-    N, K = q.shape[2], k.shape[2]
+    K = k.shape[2]
     if not isinstance(q.sharding, NamedSharding):
         _warn_once(f"maxattn: {what}: the mesh axis names of the input sharding are unknown "
                    f"({type(q.sharding).__name__}); running it replicated. Use NamedSharding inputs "
