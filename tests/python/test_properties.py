@@ -36,7 +36,9 @@ EXAMPLES = {"numerics": 40, "forward": 60, "invalid": 150}
 
 def _settings(kind: str):
     n = int(_ENV) if _ENV else EXAMPLES[kind]
-    return settings(max_examples=n, deadline=None, derandomize=not _ENV, database=None,
+    # Derandomized unless MAXATTN_HYPOTHESIS_FRESH=1: CI explores the same examples every run.
+    fresh = os.environ.get("MAXATTN_HYPOTHESIS_FRESH") == "1"
+    return settings(max_examples=n, deadline=None, derandomize=not fresh, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
 
@@ -136,6 +138,25 @@ def _reference64(q, k, v, bias, mask, ct_out, ct_lse, kw):
         return jax.tree.map(np.asarray, f(c(q), c(k), c(v), c(bias), c(ct_out), c(ct_lse), mask, arrs))
 
 
+def _assert_reduced_dbias_close(g, rg, tol, q, k, v, bias, mask, ct_out, ct_lse, kw):
+    """dbias of a broadcast bias in bf16/f16, judged against the size of what it sums.
+
+    A bias broadcast over T and S gets the sum of dS over the whole row, and
+    sum_j P_ij (dP_ij - D_i) cancels to 0 exactly; what remains is dominated
+    by D_i = <dout_i, out_i> formed from the rounded out (as every fused kernel
+    does). The rounding error of such a sum scales with the norm of its terms,
+    not of its (cancelling) result, so the bar is tol * max(|ref|, |full dS|),
+    with the full [B, N, T, S] dS from the float64 reference.
+    """
+    B, T, N, _ = q.shape
+    S = k.shape[1]
+    full_bias = jnp.broadcast_to(bias, (B, N, T, S))
+    full_ds = _reference64(q, k, v, full_bias, mask, ct_out, ct_lse, kw)[2][3]
+    err = np.linalg.norm(np.asarray(g, np.float64) - rg)
+    bar = tol * max(np.linalg.norm(rg), np.linalg.norm(full_ds))
+    assert err <= bar, f"dbias: error {err:.3g} > {bar:.3g} (tol {tol} of max(|ref|, |full dS|))"
+
+
 @_settings("numerics")
 @given(case=attention_case(), want=st.sampled_from(["both", "max", "lse", "none"]))
 def test_cpu_forward_and_grads_match_float64_reference(case, want):
@@ -165,7 +186,10 @@ def test_cpu_forward_and_grads_match_float64_reference(case, want):
     for name, g, rg in zip(("dq", "dk", "dv", "dbias"), grads, r_grads):
         assert g.shape == rg.shape and g.dtype == (q.dtype if name != "dbias" else bias.dtype), name
         assert not np.isnan(np.asarray(g, np.float32)).any(), f"{name} has NaN"
-        assert_close(g, rg, tol, name)
+        if name == "dbias" and dt != jnp.float32 and bias.size < B * N * T * S:
+            _assert_reduced_dbias_close(g, rg, tol, q, k, v, bias, mask, ct_out, ct_lse, kw)
+        else:
+            assert_close(g, rg, tol, name)
 
     # The return flags select the outputs; the values do not depend on them.
     flags = dict(return_max_logit=want in ("both", "max"), return_lse=want in ("both", "lse"))
