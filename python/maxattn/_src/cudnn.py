@@ -188,7 +188,7 @@ def _backward_unbatched(config: AttentionConfig, *arrays):
 
 
 _ROLES = ((batching.BATCH,) * 3 + (batching.BCAST,) * 2 + (batching.BATCH,) * 4
-          + (getattr(batching, "REPL", batching.BCAST),) * (_NUM_OPERANDS - 9))
+          + (batching.REPL,) * (_NUM_OPERANDS - 9))
 
 
 @functools.cache
