@@ -23,6 +23,7 @@
 #include "maxattn/cpu/aligned_buffer.h"
 #include "maxattn/cpu/common.h"
 #include "maxattn/cpu/kernels.h"
+#include "maxattn/cpu/row_store.h"
 #include "maxattn/cpu/thread_pool.h"
 #include "maxattn/cpu/visibility.h"
 #include "maxattn/dropout.h"
@@ -250,9 +251,8 @@ MAXATTN_ALWAYS_INLINE void BackwardTask(const BackwardContext& ctx, int64_t task
   for (int64_t g = 0; g < G; ++g) {
     const int64_t n = kvh * G + g;
     for (int64_t i = 0; i < T; ++i) {
-      const float* src = dq_acc.data() + (g * T + i) * Hp;
-      for (int64_t h = 0; h < H; ++h) out_row[static_cast<size_t>(h)] = src[h] * scale;
-      StoreRow(dt, out_row.data(), H, ElemPtr(ctx.grads.dq, dt, ((b * T + i) * N + n) * H));
+      StoreRowScaled(dt, dq_acc.data() + (g * T + i) * Hp, H, scale, out_row.data(),
+                     ElemPtr(ctx.grads.dq, dt, ((b * T + i) * N + n) * H));
     }
   }
 }

@@ -18,6 +18,7 @@
 #include "maxattn/cpu/aligned_buffer.h"
 #include "maxattn/cpu/common.h"
 #include "maxattn/cpu/kernels.h"
+#include "maxattn/cpu/row_store.h"
 #include "maxattn/cpu/thread_pool.h"
 #include "maxattn/cpu/visibility.h"
 #include "maxattn/dropout.h"
@@ -233,9 +234,10 @@ MAXATTN_ALWAYS_INLINE void ForwardTask(const ForwardContext& ctx, int64_t task) 
     }
     if (nan_row) inv = lse = kNaN;
     if (dropout) inv *= drop_scale;
-    const float* o = out_acc.data() + r * Hvp;
-    for (int64_t h = 0; h < Hv; ++h) row[static_cast<size_t>(h)] = empty ? 0.0f : o[h] * inv;
-    StoreRow(in.dtype, row.data(), Hv, ElemPtr(ctx.outputs.out, in.dtype, ((b * T + i) * N + n) * Hv));
+    float* o = out_acc.data() + r * Hvp;
+    if (empty) std::fill_n(o, Hv, 0.0f);  // inv is 0, but o may hold 0 * inf = NaN
+    StoreRowScaled(in.dtype, o, Hv, inv, row.data(),
+                   ElemPtr(ctx.outputs.out, in.dtype, ((b * T + i) * N + n) * Hv));
     if (ctx.outputs.lse != nullptr) ctx.outputs.lse[(b * N + n) * T + i] = lse;
   }
   float tmax = -kInf;

@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -326,21 +326,15 @@ def _named(mesh, specs):
 # The partitioned forward / backward.
 
 
-@functools.cache
-def _forward_cp(impl, config: AttentionConfig, want_max: bool, cp, names: tuple, shapes: tuple, G: int):
-    what = "attention forward"
+def _custom_partitioned(global_fn: Callable, per_device: Callable, result_specs: Callable[[_Plan], list],
+                        names: tuple, cp: Optional[context_parallel.ContextParallel], what: str, rule: str,
+                        sizes: dict) -> Callable:
+    """`global_fn` as a custom_partitioning function over the operands `names`.
 
-    def unpack(arrays):
-        return Operands(**dict(zip(names, arrays)))
-
-    def global_fn(*arrays):
-        out, lse, mx = impl.forward(config, unpack(arrays), True, want_max)
-        return (out, lse, mx) if want_max else (out, lse)
-
+    `result_specs(plan)` gives the result PartitionSpecs; each device runs
+    `per_device(plan, *arrays)` on its blocks (traced without the user's mesh).
+    """
     fn = custom_partitioning(global_fn)
-
-    def result_specs(plan):
-        return [plan.q(), plan.lse()] + ([plan.mx()] if want_max else [])
 
     def infer(mesh, arg_shapes, result_shape):
         plan = _make_plan(mesh, names, arg_shapes, cp, what)
@@ -352,23 +346,41 @@ def _forward_cp(impl, config: AttentionConfig, want_max: bool, cp, names: tuple,
 
         def lower(*arrays):
             with _no_abstract_mesh():
-                ops = _seed_with_offsets(unpack(arrays), plan)
-                if cp is not None and plan.cp_size > 1:
-                    out, lse, mx = context_parallel.forward(impl, config, cp, plan.cp_size, want_max, ops)
-                else:
-                    out, lse, mx = impl.forward(config, ops, True, want_max)
-                return (out, lse, mx) if want_max else (out, lse)
+                return per_device(plan, *arrays)
 
         return mesh, lower, _named(mesh, result_specs(plan)), arg_shardings
 
-    rule, sizes = _sharding_rule(names, shapes, G, forward=True, want_max=want_max)
     fn.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **sizes)
     return fn
 
 
 @functools.cache
+def _forward_cp(impl, config: AttentionConfig, want_max: bool, cp, names: tuple, shapes: tuple, G: int):
+    def unpack(arrays):
+        return Operands(**dict(zip(names, arrays)))
+
+    def global_fn(*arrays):
+        out, lse, mx = impl.forward(config, unpack(arrays), True, want_max)
+        return (out, lse, mx) if want_max else (out, lse)
+
+    def result_specs(plan):
+        return [plan.q(), plan.lse()] + ([plan.mx()] if want_max else [])
+
+    def per_device(plan, *arrays):
+        ops = _seed_with_offsets(unpack(arrays), plan)
+        if cp is not None and plan.cp_size > 1:
+            out, lse, mx = context_parallel.forward(impl, config, cp, plan.cp_size, want_max, ops)
+        else:
+            out, lse, mx = impl.forward(config, ops, True, want_max)
+        return (out, lse, mx) if want_max else (out, lse)
+
+    rule, sizes = _sharding_rule(names, shapes, G, forward=True, want_max=want_max)
+    return _custom_partitioned(global_fn, per_device, result_specs, names, cp, "attention forward", rule,
+                               sizes)
+
+
+@functools.cache
 def _backward_cp(impl, config: AttentionConfig, cp, names: tuple, shapes: tuple, G: int):
-    what = "attention backward"
     op_names = tuple(n for n in names if n in _FIELDS)
     bias_shape = shapes[names.index("bias")] if "bias" in names else None
     has_sink = "sink_logits" in names
@@ -383,8 +395,6 @@ def _backward_cp(impl, config: AttentionConfig, cp, names: tuple, shapes: tuple,
         dq, dk, dv, db, *ds = impl.backward(config, ops, out, lse, dout, dlse)
         return (dq, dk, dv) + ((db,) if bias_shape is not None else ()) + ((ds[0],) if has_sink else ())
 
-    fn = custom_partitioning(global_fn)
-
     def result_specs(plan):
         specs = [plan.q(), plan.kv(), plan.kv()]
         if bias_shape is not None:
@@ -393,53 +403,48 @@ def _backward_cp(impl, config: AttentionConfig, cp, names: tuple, shapes: tuple,
             specs.append(plan.mx())
         return specs
 
-    def infer(mesh, arg_shapes, result_shape):
-        plan = _make_plan(mesh, names, arg_shapes, cp, what)
-        return _named(mesh, result_specs(plan))
-
-    def partition(mesh, arg_shapes, result_shape):
-        plan = _make_plan(mesh, names, arg_shapes, cp, what)
-        arg_shardings = _named(mesh, plan.operand_specs(names, [a.shape for a in arg_shapes]))
-
-        def lower(*arrays):
-            with _no_abstract_mesh():
-                ops, out, lse, dout, dlse = unpack(arrays)
-                ops = _seed_with_offsets(ops, plan)
-                ds = None
-                if cp is not None and plan.cp_size > 1:
-                    dq, dk, dv = context_parallel.backward(impl, config, cp, plan.cp_size, ops, out, lse,
-                                                           dout, dlse)
-                    db = None
-                else:
-                    dq, dk, dv, db, *rest = impl.backward(config, ops, out, lse, dout, dlse)
-                    ds = rest[0] if rest else None
-                tail = (ds,) if has_sink else ()
-                if plan.heads and not plan.kv_heads:
-                    # MQA with sharded query heads: each device holds part of the kv-head gradient.
-                    dk = jax.lax.psum(dk.astype(jnp.float32), plan.heads).astype(dk.dtype)
-                    dv = jax.lax.psum(dv.astype(jnp.float32), plan.heads).astype(dv.dtype)
-                if bias_shape is None:
-                    return (dq, dk, dv) + tail
-                reduce_axes = ()
-                if bias_shape[0] == 1:
-                    reduce_axes += plan.batch
-                if bias_shape[1] == 1:
-                    reduce_axes += plan.heads
-                if reduce_axes:
-                    db = jax.lax.psum(db, reduce_axes)
-                return (dq, dk, dv, db) + tail
-
-        return mesh, lower, _named(mesh, result_specs(plan)), arg_shardings
+    def per_device(plan, *arrays):
+        ops, out, lse, dout, dlse = unpack(arrays)
+        ops = _seed_with_offsets(ops, plan)
+        ds = None
+        if cp is not None and plan.cp_size > 1:
+            dq, dk, dv = context_parallel.backward(impl, config, cp, plan.cp_size, ops, out, lse, dout, dlse)
+            db = None
+        else:
+            dq, dk, dv, db, *rest = impl.backward(config, ops, out, lse, dout, dlse)
+            ds = rest[0] if rest else None
+        tail = (ds,) if has_sink else ()
+        if plan.heads and not plan.kv_heads:
+            # MQA with sharded query heads: each device holds part of the kv-head gradient.
+            dk = jax.lax.psum(dk.astype(jnp.float32), plan.heads).astype(dk.dtype)
+            dv = jax.lax.psum(dv.astype(jnp.float32), plan.heads).astype(dv.dtype)
+        if bias_shape is None:
+            return (dq, dk, dv) + tail
+        reduce_axes = ()
+        if bias_shape[0] == 1:
+            reduce_axes += plan.batch
+        if bias_shape[1] == 1:
+            reduce_axes += plan.heads
+        if reduce_axes:
+            db = jax.lax.psum(db, reduce_axes)
+        return (dq, dk, dv, db) + tail
 
     rule, sizes = _sharding_rule(names, shapes, G, backward_bias_shape=bias_shape, forward=False,
                                  want_dsink=has_sink)
-    fn.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **sizes)
-    return fn
+    return _custom_partitioned(global_fn, per_device, result_specs, names, cp, "attention backward", rule,
+                               sizes)
 
 
 def _group(arrays):
     q, k = arrays[0], arrays[1]
     return q.shape[2] // k.shape[2] if k.shape[2] else 1
+
+
+def _present(all_names: tuple, arrays) -> tuple[tuple, list, tuple]:
+    """The names, arrays and shapes of the operands that are not None."""
+    names = tuple(n for n, a in zip(all_names, arrays) if a is not None)
+    present = [a for a in arrays if a is not None]
+    return names, present, tuple(tuple(a.shape) for a in present)
 
 
 class Partitioned:
@@ -455,9 +460,7 @@ class Partitioned:
     @functools.cache
     def _forward_fn(self, config: AttentionConfig, want_max: bool):
         def fn(*arrays):
-            names = tuple(n for n, a in zip(_FIELDS, arrays) if a is not None)
-            present = [a for a in arrays if a is not None]
-            shapes = tuple(tuple(a.shape) for a in present)
+            names, present, shapes = _present(_FIELDS, arrays)
             res = _forward_cp(self.impl, config, want_max, self.cp, names, shapes, _group(arrays))(*present)
             return (res[0], res[1], res[2] if want_max else None)
         return batching.fold_into_batch(fn, _ROLES, (None, None, None))
@@ -467,9 +470,7 @@ class Partitioned:
         all_names = _FIELDS + ("out", "lse", "dout", "dlse")
 
         def fn(*arrays):
-            names = tuple(n for n, a in zip(all_names, arrays) if a is not None)
-            present = [a for a in arrays if a is not None]
-            shapes = tuple(tuple(a.shape) for a in present)
+            names, present, shapes = _present(all_names, arrays)
             res = _backward_cp(self.impl, config, self.cp, names, shapes, _group(arrays))(*present)
             has_sink = "sink_logits" in names
             return (res[0], res[1], res[2], res[3] if config.has_bias else None,

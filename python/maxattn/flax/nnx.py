@@ -7,8 +7,7 @@ from typing import Any, Optional
 import jax
 from flax import nnx
 
-import maxattn
-from maxattn.flax import SOW_NAME
+from maxattn.flax._module_call import AttentionResult, call_dot_product_attention
 
 __all__ = ["DotProductAttention"]
 
@@ -43,26 +42,11 @@ class DotProductAttention(nnx.Module):
 
     def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array,
                  bias: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
-                 **kwargs: Any):
+                 **kwargs: Any) -> AttentionResult:
         """Attention on [B, T, N, H] / [B, S, K, H] / [B, S, K, Hv] inputs.
 
         ``kwargs`` go to :func:`maxattn.dot_product_attention` (e.g. sequence
         lengths, segment ids). Returns ``out`` [B, T, N, Hv], or ``(out, aux)``
         when ``return_max_logit`` or ``return_lse`` is set.
         """
-        want_max = self.return_max_logit or self.record_max_logit
-        call_kwargs = {**self.attention_kwargs, **kwargs}
-        res = maxattn.dot_product_attention(
-            query, key, value, bias, mask, scale=self.scale, is_causal=self.is_causal,
-            implementation=self.implementation, return_max_logit=want_max,
-            return_lse=self.return_lse, **call_kwargs)
-        if not (want_max or self.return_lse):
-            return res
-        out, aux = res
-        if self.record_max_logit:
-            self.sow(nnx.Intermediate, SOW_NAME, aux["max_logit"])
-        if not self.return_max_logit:
-            aux = {k: v for k, v in aux.items() if k != "max_logit"}
-        if self.return_max_logit or self.return_lse:
-            return out, aux
-        return out
+        return call_dot_product_attention(self, query, key, value, bias, mask, kwargs)
