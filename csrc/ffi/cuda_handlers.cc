@@ -1,13 +1,13 @@
 // XLA FFI handlers of the cuDNN backend: decode, check, call the core.
 //
-// Same operands and attributes as the CPU handlers (see decode.h), except that
-// a bias (and dbias) has the input dtype, as cuDNN expects. Every failure comes
+// Same operands, attributes and results as the CPU handlers (see decode.h),
+// except that a bias (and dbias) has the input dtype, as cuDNN expects. Every failure comes
 // back as an ffi::Error; nothing throws across the FFI boundary.
 #include <cuda_runtime_api.h>
 
 #include <exception>
-#include <utility>
 #include <string>
+#include <utility>
 
 #include "ffi/decode.h"
 #include "maxattn/cudnn/cudnn_attention.h"
@@ -36,14 +36,17 @@ ffi::Error ForwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
                        ffi::AnyBuffer kv_segment_ids, float scale, bool is_causal, bool bottom_right,
                        int64_t window_left, int64_t window_right, float softcap, bool has_bias, bool has_mask,
                        bool has_q_seq_lengths, bool has_kv_seq_lengths, bool has_segment_ids,
+                       ffi::AnyBuffer sink_logits, ffi::AnyBuffer dropout_seed, float dropout_rate,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                        ffi::Result<ffi::AnyBuffer> max_logit) {
   DecodedCall call;
-  MAXATTN_FFI_RETURN_IF_ERROR(DecodeCall(
-      kFwdOp, {q, k, v, bias, mask, q_seq_lengths, kv_seq_lengths, q_segment_ids, kv_segment_ids},
-      {scale, is_causal, bottom_right, window_left, window_right, softcap, has_bias, has_mask, has_q_seq_lengths,
-       has_kv_seq_lengths, has_segment_ids},
-      q.element_type(), &call));
+  MAXATTN_FFI_RETURN_IF_ERROR(DecodeCall(kFwdOp,
+                                         {q, k, v, bias, mask, q_seq_lengths, kv_seq_lengths, q_segment_ids,
+                                          kv_segment_ids, sink_logits, dropout_seed},
+                                         {scale, is_causal, bottom_right, window_left, window_right, softcap,
+                                          has_bias, has_mask, has_q_seq_lengths, has_kv_seq_lengths,
+                                          has_segment_ids, dropout_rate},
+                                         q.element_type(), &call));
   ForwardOutputs outputs;
   MAXATTN_FFI_RETURN_IF_ERROR(
       DecodeForwardOutputs(kFwdOp, call, q.element_type(), *out, *lse, *max_logit, &outputs));
@@ -60,57 +63,26 @@ ffi::Error BackwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
                         ffi::AnyBuffer q_seq_lengths, ffi::AnyBuffer kv_seq_lengths, ffi::AnyBuffer q_segment_ids,
                         ffi::AnyBuffer kv_segment_ids, float scale, bool is_causal, bool bottom_right,
                         int64_t window_left, int64_t window_right, float softcap, bool has_bias, bool has_mask,
-                        bool has_q_seq_lengths, bool has_kv_seq_lengths, bool has_segment_ids, ffi::AnyBuffer out,
-                        ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
-                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        ffi::Result<ffi::AnyBuffer> dbias) {
+                        bool has_q_seq_lengths, bool has_kv_seq_lengths, bool has_segment_ids,
+                        ffi::AnyBuffer sink_logits, ffi::AnyBuffer dropout_seed, float dropout_rate,
+                        ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer dlse,
+                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
+                        ffi::Result<ffi::AnyBuffer> dsink) {
   DecodedCall call;
-  MAXATTN_FFI_RETURN_IF_ERROR(DecodeCall(
-      kBwdOp, {q, k, v, bias, mask, q_seq_lengths, kv_seq_lengths, q_segment_ids, kv_segment_ids},
-      {scale, is_causal, bottom_right, window_left, window_right, softcap, has_bias, has_mask, has_q_seq_lengths,
-       has_kv_seq_lengths, has_segment_ids},
-      q.element_type(), &call));
-  const AttentionShape& s = call.shape;
-  const ffi::DataType t = q.element_type();
-  const std::vector<int64_t> out_dims = {s.batch, s.q_len, s.num_q_heads, s.head_dim_v};
-  const std::vector<int64_t> lse_dims = {s.batch, s.num_q_heads, s.q_len};
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kBwdOp, "out", out.element_type(), t));
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckDims(kBwdOp, "out", out.dimensions(), out_dims));
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kBwdOp, "dout", dout.element_type(), t));
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckDims(kBwdOp, "dout", dout.dimensions(), out_dims));
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kBwdOp, "lse", lse.element_type(), ffi::DataType::F32));
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckDims(kBwdOp, "lse", lse.dimensions(), lse_dims));
-  bool has_dlse = false;
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckOutput(kBwdOp, "dlse", dlse, ffi::DataType::F32, lse_dims, &has_dlse));
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kBwdOp, "dq", dq->element_type(), t));
-  MAXATTN_FFI_RETURN_IF_ERROR(
-      CheckDims(kBwdOp, "dq", dq->dimensions(), {s.batch, s.q_len, s.num_q_heads, s.head_dim}));
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kBwdOp, "dk", dk->element_type(), t));
-  MAXATTN_FFI_RETURN_IF_ERROR(
-      CheckDims(kBwdOp, "dk", dk->dimensions(), {s.batch, s.kv_len, s.num_kv_heads, s.head_dim}));
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(kBwdOp, "dv", dv->element_type(), t));
-  MAXATTN_FFI_RETURN_IF_ERROR(
-      CheckDims(kBwdOp, "dv", dv->dimensions(), {s.batch, s.kv_len, s.num_kv_heads, s.head_dim_v}));
-  bool want_dbias = false;
-  if (has_bias) {
-    const BroadcastDims& b = call.inputs.bias_dims;
-    MAXATTN_FFI_RETURN_IF_ERROR(CheckOutput(kBwdOp, "dbias", *dbias, t, {b.b, b.n, b.t, b.s}, &want_dbias));
-  } else {
-    MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(kBwdOp, "dbias", *dbias, false, t, {}));
-  }
-
+  MAXATTN_FFI_RETURN_IF_ERROR(DecodeCall(kBwdOp,
+                                         {q, k, v, bias, mask, q_seq_lengths, kv_seq_lengths, q_segment_ids,
+                                          kv_segment_ids, sink_logits, dropout_seed},
+                                         {scale, is_causal, bottom_right, window_left, window_right, softcap,
+                                          has_bias, has_mask, has_q_seq_lengths, has_kv_seq_lengths,
+                                          has_segment_ids, dropout_rate},
+                                         q.element_type(), &call));
   BackwardInputs saved;
-  saved.out = out.untyped_data();
-  saved.dout = dout.untyped_data();
-  saved.lse = static_cast<const float*>(lse.untyped_data());
-  saved.dlse = has_dlse ? static_cast<const float*>(dlse.untyped_data()) : nullptr;
   BackwardOutputs grads;
-  grads.dq = dq->untyped_data();
-  grads.dk = dk->untyped_data();
-  grads.dv = dv->untyped_data();
-  grads.dbias = want_dbias ? static_cast<float*>(dbias->untyped_data()) : nullptr;  // input dtype, see header
+  MAXATTN_FFI_RETURN_IF_ERROR(DecodeBackwardBuffers(kBwdOp, call, q.element_type(), q.element_type(), out, dout,
+                                                    lse, dlse, *dq, *dk, *dv, *dbias, *dsink, &saved, &grads));
   try {
-    return ToFfiError(cudnn::AttentionBackwardCudnn(s, call.options, call.inputs, saved, grads,
+    return ToFfiError(cudnn::AttentionBackwardCudnn(call.shape, call.options, call.inputs, saved, grads,
                                                     MakeContext(stream, device, scratch)));
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string(kBwdOp) + ": " + e.what());
@@ -141,6 +113,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionBwdCuda, BackwardImpl,
                                   .Ret<ffi::AnyBuffer>()   // dq
                                   .Ret<ffi::AnyBuffer>()   // dk
                                   .Ret<ffi::AnyBuffer>()   // dv
-                                  .Ret<ffi::AnyBuffer>()); // dbias like bias (input dtype), or [0]
+                                  .Ret<ffi::AnyBuffer>()   // dbias like bias (input dtype), or [0]
+                                  .Ret<ffi::AnyBuffer>()); // dsink [B, N] f32, or [0]
 
 }  // namespace maxattn::ffi_glue

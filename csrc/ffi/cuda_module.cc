@@ -22,4 +22,12 @@ NB_MODULE(_maxattn_cuda, m) {
         "The cuDNN version loaded in this process (cudnnGetVersion()).");
   m.def("supports_stats_with_max", []() { return maxattn::cudnn::SupportsStatsWithMax(); },
         "True when cuDNN (>= 9.21) can emit Stats and Max together.");
+  // Test-only hooks (tests/python/test_cudnn_hardening.py).
+  m.def("_graph_builds", []() { return maxattn::cudnn::test_hooks::GraphBuilds(); },
+        "Number of cuDNN graphs built and cached in this process.");
+  m.def("_fail_next_graph_builds", [](int n) { maxattn::cudnn::test_hooks::FailNextGraphBuilds(n); },
+        nb::arg("n"), "The next n graph builds fail as a cuDNN rejection would.");
+  m.def("_fail_next_workspace_allocations",
+        [](int n) { maxattn::cudnn::test_hooks::FailNextWorkspaceAllocations(n); }, nb::arg("n"),
+        "The next n scratch allocations of the cudnn backend fail.");
 }

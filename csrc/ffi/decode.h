@@ -2,8 +2,9 @@
 // target (CPU and CUDA, forward and backward) into the core's structs.
 //
 // Operand order of every target: q, k, v, bias, mask, q_seq_lengths,
-// kv_seq_lengths, q_segment_ids, kv_segment_ids. Absent optional operands
-// are zero-sized placeholders; has_* attributes say which are present.
+// kv_seq_lengths, q_segment_ids, kv_segment_ids, sink_logits, dropout_seed.
+// Absent optional operands are zero-sized placeholders; has_* attributes
+// (and dropout_rate > 0) say which are present.
 #ifndef MAXATTN_FFI_DECODE_H_
 #define MAXATTN_FFI_DECODE_H_
 
@@ -28,6 +29,7 @@ struct CallAttrs {
   bool has_q_seq_lengths;
   bool has_kv_seq_lengths;
   bool has_segment_ids;
+  float dropout_rate;
 };
 
 struct CallOperands {
@@ -40,6 +42,8 @@ struct CallOperands {
   const ffi::AnyBuffer& kv_seq_lengths;
   const ffi::AnyBuffer& q_segment_ids;
   const ffi::AnyBuffer& kv_segment_ids;
+  const ffi::AnyBuffer& sink_logits;
+  const ffi::AnyBuffer& dropout_seed;
 };
 
 struct DecodedCall {
@@ -48,7 +52,7 @@ struct DecodedCall {
   AttentionInputs inputs;
 };
 
-// Binds the nine common operands and the attributes, in that order.
+// Binds the eleven common operands and the attributes, in that order.
 template <typename Binding>
 auto BindCommon(Binding binding) {
   return std::move(binding)
@@ -71,7 +75,10 @@ auto BindCommon(Binding binding) {
       .template Attr<bool>("has_mask")
       .template Attr<bool>("has_q_seq_lengths")
       .template Attr<bool>("has_kv_seq_lengths")
-      .template Attr<bool>("has_segment_ids");
+      .template Attr<bool>("has_segment_ids")
+      .template Arg<ffi::AnyBuffer>()            // sink_logits [N] f32 or placeholder (vanilla softmax)
+      .template Arg<ffi::AnyBuffer>()            // dropout_seed [4] u32 or placeholder (no dropout)
+      .template Attr<float>("dropout_rate");
 }
 
 // Checks every operand against q/k/v and the attributes and fills `call`.
@@ -141,6 +148,16 @@ inline ffi::Error DecodeCall(std::string_view op, const CallOperands& in, const 
   o.window_left = attrs.window_left;
   o.window_right = attrs.window_right;
   o.softcap = attrs.softcap;
+  const bool has_sink = in.sink_logits.element_count() != 0 || in.sink_logits.dimensions().size() != 1;
+  if (has_sink) {
+    MAXATTN_FFI_RETURN_IF_ERROR(
+        CheckOptional(op, "sink_logits", in.sink_logits, true, ffi::DataType::F32, {s.num_q_heads}));
+    x.sink_logits = static_cast<const float*>(in.sink_logits.untyped_data());
+  }
+  o.dropout_rate = attrs.dropout_rate;
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(op, "dropout_seed", in.dropout_seed, attrs.dropout_rate > 0.0f,
+                                            ffi::DataType::U32, {4}));
+  if (attrs.dropout_rate > 0.0f) x.dropout_seed = static_cast<const uint32_t*>(in.dropout_seed.untyped_data());
   return ToFfiError(ValidateShapeAndOptions(s, o, x));
 }
 
@@ -172,6 +189,64 @@ inline ffi::Error DecodeForwardOutputs(std::string_view op, const DecodedCall& c
   outputs->out = out.untyped_data();
   outputs->lse = want_lse ? static_cast<float*>(lse.untyped_data()) : nullptr;
   outputs->max_logit = want_max ? static_cast<float*>(max_logit.untyped_data()) : nullptr;
+  return ffi::Error::Success();
+}
+
+// Checks the backward operands after the common ones (out, dout, lse, dlse)
+// and results (dq, dk, dv, dbias, dsink) and fills `saved` and `grads`;
+// unrequested optional results stay null. `bias_type` is the dtype of dbias
+// (that of the bias).
+inline ffi::Error DecodeBackwardBuffers(std::string_view op, const DecodedCall& call, ffi::DataType dtype,
+                                        ffi::DataType bias_type, const ffi::AnyBuffer& out,
+                                        const ffi::AnyBuffer& dout, const ffi::AnyBuffer& lse,
+                                        const ffi::AnyBuffer& dlse, ffi::AnyBuffer& dq, ffi::AnyBuffer& dk,
+                                        ffi::AnyBuffer& dv, ffi::AnyBuffer& dbias, ffi::AnyBuffer& dsink,
+                                        BackwardInputs* saved, BackwardOutputs* grads) {
+  const AttentionShape& s = call.shape;
+  const std::vector<int64_t> out_dims = {s.batch, s.q_len, s.num_q_heads, s.head_dim_v};
+  const std::vector<int64_t> lse_dims = {s.batch, s.num_q_heads, s.q_len};
+  struct Expected {
+    const char* name;
+    const ffi::AnyBuffer& buffer;
+    ffi::DataType type;
+    std::vector<int64_t> dims;
+  };
+  const Expected required[] = {
+      {"out", out, dtype, out_dims},
+      {"dout", dout, dtype, out_dims},
+      {"lse", lse, ffi::DataType::F32, lse_dims},
+      {"dq", dq, dtype, {s.batch, s.q_len, s.num_q_heads, s.head_dim}},
+      {"dk", dk, dtype, {s.batch, s.kv_len, s.num_kv_heads, s.head_dim}},
+      {"dv", dv, dtype, {s.batch, s.kv_len, s.num_kv_heads, s.head_dim_v}},
+  };
+  for (const Expected& e : required) {
+    MAXATTN_FFI_RETURN_IF_ERROR(CheckType(op, e.name, e.buffer.element_type(), e.type));
+    MAXATTN_FFI_RETURN_IF_ERROR(CheckDims(op, e.name, e.buffer.dimensions(), e.dims));
+  }
+  bool has_dlse = false, want_dbias = false, want_dsink = false;
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckOutput(op, "dlse", dlse, ffi::DataType::F32, lse_dims, &has_dlse));
+  if (call.inputs.bias) {
+    const BroadcastDims& b = call.inputs.bias_dims;
+    MAXATTN_FFI_RETURN_IF_ERROR(CheckOutput(op, "dbias", dbias, bias_type, {b.b, b.n, b.t, b.s}, &want_dbias));
+  } else {
+    MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(op, "dbias", dbias, false, bias_type, {}));
+  }
+  if (call.inputs.sink_logits) {
+    MAXATTN_FFI_RETURN_IF_ERROR(
+        CheckOutput(op, "dsink", dsink, ffi::DataType::F32, {s.batch, s.num_q_heads}, &want_dsink));
+  } else {
+    MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(op, "dsink", dsink, false, ffi::DataType::F32, {}));
+  }
+  saved->out = out.untyped_data();
+  saved->dout = dout.untyped_data();
+  saved->lse = static_cast<const float*>(lse.untyped_data());
+  saved->dlse = has_dlse ? static_cast<const float*>(dlse.untyped_data()) : nullptr;
+  grads->dq = dq.untyped_data();
+  grads->dk = dk.untyped_data();
+  grads->dv = dv.untyped_data();
+  // A dbias of another dtype than float32 (the cuDNN backend's) travels in the same field.
+  grads->dbias = want_dbias ? static_cast<float*>(dbias.untyped_data()) : nullptr;
+  grads->dsink = want_dsink ? static_cast<float*>(dsink.untyped_data()) : nullptr;
   return ffi::Error::Success();
 }
 

@@ -21,7 +21,7 @@ import pytest
 import maxattn
 from helpers import assert_close, random_inputs
 from maxattn._src import cpu as cpu_backend
-from maxattn._src.config import AttentionConfig, canonicalize
+from maxattn._src.config import canonicalize
 
 pytestmark = pytest.mark.skipif(cpu_backend._maxattn_cpu is None, reason="CPU extension not built")
 
@@ -29,23 +29,16 @@ B, T, S, N, K, H, Hv = 2, 7, 9, 4, 2, 8, 6
 F32 = jnp.float32
 
 
-# The CPU targets may take extra operands after the nine common ones (sink_logits [N] f32,
-# dropout_seed [4] u32, both [0] when absent), an extra attribute and an extra gradient (dsink).
-_EXTRAS = hasattr(AttentionConfig, "cpu_extra_attributes")
-
-
 def _attrs(**over):
     config, _ = canonicalize(jnp.zeros((B, T, N, H)), jnp.zeros((B, S, K, H)), jnp.zeros((B, S, K, Hv)))
     attrs = config.ffi_attributes()
-    if _EXTRAS:
-        attrs.update(config.cpu_extra_attributes())
     attrs.update(over)
     return attrs
 
 
 def _operands(ops):
-    extra = [_ph(F32), _ph(jnp.uint32)] if _EXTRAS else []
-    return [ops[n] for n in ORDER] + extra
+    # After the nine in ORDER: sink_logits [N] f32 and dropout_seed [4] u32, [0] when absent.
+    return [ops[n] for n in ORDER] + [_ph(F32), _ph(jnp.uint32)]
 
 
 def _ph(dtype=F32):
@@ -74,8 +67,7 @@ def _bwd(ops, attrs, saved, grad_shapes=None):
     cpu_backend._register()
     q, k, v = ops["q"], ops["k"], ops["v"]
     grad_shapes = grad_shapes or [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), ((0,), F32)]
-    if _EXTRAS:
-        grad_shapes = list(grad_shapes) + [((0,), F32)]  # dsink
+    grad_shapes = list(grad_shapes) + [((0,), F32)]  # dsink
     shapes = tuple(jax.ShapeDtypeStruct(s, d) for s, d in grad_shapes)
     res = jax.ffi.ffi_call(cpu_backend.BWD_TARGET, shapes)(
         *_operands(ops), saved["out"], saved["dout"], saved["lse"], saved["dlse"], **attrs)

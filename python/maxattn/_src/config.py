@@ -54,10 +54,6 @@ class AttentionConfig:
     def has_sink(self) -> bool:
         return self.softmax_type != "vanilla"
 
-    def cpu_extra_attributes(self) -> dict[str, Any]:
-        """The attributes only the CPU targets take, after the common ones (csrc/ffi/cpu_handlers.cc)."""
-        return dict(dropout_rate=np.float32(self.dropout_rate))
-
     def ffi_attributes(self) -> dict[str, Any]:
         """The attributes every FFI target takes (see csrc/ffi/decode.h)."""
         return dict(
@@ -72,6 +68,7 @@ class AttentionConfig:
             has_q_seq_lengths=bool(self.has_q_seq_lengths),
             has_kv_seq_lengths=bool(self.has_kv_seq_lengths),
             has_segment_ids=bool(self.has_segment_ids),
+            dropout_rate=np.float32(self.dropout_rate),
         )
 
 
@@ -96,9 +93,6 @@ class Operands(NamedTuple):
     dropout_seed: Optional[jax.Array] = None  # uint32 [4] iff dropout_rate > 0 (see csrc/maxattn/dropout.h)
 
 
-# The nine operands every FFI target takes (csrc/ffi/decode.h); the extras
-# (sink_logits, dropout_seed) follow them in the CPU targets only.
-COMMON_OPERANDS = 9
 
 
 def _as_array(x: Any, name: str) -> jax.Array:

@@ -44,8 +44,8 @@ def _placeholder(dtype) -> jax.Array:
 
 
 def _operand_list(ops: Operands) -> list[jax.Array]:
-    """The nine common operands, then the CPU-only sink_logits and dropout_seed;
-    placeholders for absent ones."""
+    """The eleven operands of every FFI target (csrc/ffi/decode.h); placeholders
+    for absent ones."""
     def opt(x, dtype):
         return _placeholder(dtype) if x is None else x
     return [
@@ -59,15 +59,11 @@ def _operand_list(ops: Operands) -> list[jax.Array]:
     ]
 
 
-def _attributes(config: AttentionConfig) -> dict:
-    return {**config.ffi_attributes(), **config.cpu_extra_attributes()}
-
-
 def _forward_unbatched(config: AttentionConfig, want_lse: bool, want_max: bool, *arrays):
     ops = Operands(*arrays)
     _register()
     shapes = backends.forward_result_types(ops, want_lse, want_max)
-    out, lse, mx = jax.ffi.ffi_call(FWD_TARGET, shapes)(*_operand_list(ops), **_attributes(config))
+    out, lse, mx = jax.ffi.ffi_call(FWD_TARGET, shapes)(*_operand_list(ops), **config.ffi_attributes())
     return out, (lse if want_lse else None), (mx if want_max else None)
 
 
@@ -86,7 +82,7 @@ def _backward_unbatched(config: AttentionConfig, *arrays):
     )
     dq, dk, dv, dbias, dsink = jax.ffi.ffi_call(BWD_TARGET, shapes)(
         *_operand_list(ops), out, dout, lse, _placeholder(f32) if dlse is None else dlse.astype(f32),
-        **_attributes(config))
+        **config.ffi_attributes())
     return (dq, dk, dv, (dbias if ops.bias is not None else None),
             (dsink if ops.sink_logits is not None else None))
 
