@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# One-shot GPU check on the device machine: build + install the package with
-# the cuDNN module, run the GPU tests, compute-sanitizer memcheck on a small
-# subset, then the benchmark. Logs go to $OUT (default ./gpu_out).
+# GPU check on the device machine: build the package with the cuDNN module
+# into build/gpu_site (reused by later calls while the machine stays up), run
+# the GPU tests, the benchmark and compute-sanitizer memcheck on a small
+# subset. Logs go to $OUT (default ./gpu_out).
 #
-#   tools/gpu_check.sh            # everything
-#   STAGES="build test" tools/gpu_check.sh
+#   tools/gpu_check.sh                       # everything
+#   STAGES="build test" tools/gpu_check.sh   # then STAGES="bench memcheck" in a second call
+#   TESTS="test_cudnn.py" tools/gpu_check.sh # a subset of the GPU test files
 #
 # Needs: nvcc, cuDNN 9 (nvidia-cudnn-cu13 pip package with headers), jax with
 # the CUDA plugin, scikit-build-core + nanobind, and the cudnn-frontend
@@ -15,6 +17,8 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"build test bench memcheck"}
 PY=${PYTHON:-python3}
+SITE=$PWD/build/gpu_site
+TESTS=${TESTS:-"test_cudnn.py test_cudnn_features.py test_cudnn_hardening.py"}
 export PYTHONUNBUFFERED=1
 export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 status=0
@@ -28,14 +32,18 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
   git rev-parse --short HEAD 2>/dev/null || echo "commit: (uncommitted tree)"
 } 2>&1 | tee "$OUT/env.log"
 
-if has build; then
-  echo "== build (pip install --no-build-isolation, MAXATTN_CUDA=ON)"
+if has build || [ ! -d "$SITE/maxattn" ]; then
+  echo "== build (pip install --no-build-isolation --target build/gpu_site, MAXATTN_CUDA=ON)"
   start=$(date +%s)
-  if ! $PY -m pip install --no-build-isolation --no-deps -v . \
-        -Ccmake.define.MAXATTN_CUDA=ON -Cbuild.verbose=false >"$OUT/build.log" 2>&1; then
+  rm -rf "$SITE"
+  if ! $PY -m pip install --no-build-isolation --no-deps --target "$SITE" -v . \
+        -Ccmake.define.MAXATTN_CUDA=ON -Cbuild.verbose=false -Cbuild-dir=build/gpu_build >"$OUT/build.log" 2>&1; then
     echo "pip install FAILED (tail of build.log):"; tail -40 "$OUT/build.log"; exit 1
   fi
   echo "built in $(( $(date +%s) - start )) s"
+fi
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+if has build; then
   $PY - <<'PY' 2>&1 | tee -a "$OUT/env.log"
 from maxattn._src import cudnn
 print("cudnn backend: version", cudnn.cudnn_version(), "reason:", cudnn._module()[1])
@@ -46,7 +54,8 @@ fi
 
 if has test; then
   echo "== GPU tests"
-  (cd tests/python && timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -m gpu -rfEs test_cudnn.py -p no:cacheprovider) 2>&1 \
+  (cd tests/python && timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -m gpu -rfEs $TESTS -p no:cacheprovider \
+      --junitxml="$OUT/test.xml") 2>&1 \
     | tee "$OUT/test.log" || status=1
 fi
 
@@ -59,7 +68,9 @@ if has memcheck; then
   (cd tests/python && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MEMCHECK_TIMEOUT:-240} compute-sanitizer --tool memcheck \
       --error-exitcode 99 --target-processes all \
       $PY -m pytest -q -x -p no:cacheprovider test_cudnn.py \
-      -k "padding_causal or bias_1NTS or fully_padded or (subsets and plain)") >"$OUT/memcheck.log" 2>&1
+      test_cudnn_features.py -m "gpu and not large" \
+      -k "padding_causal or bias_1NTS or fully_padded or (subsets and plain) or (cudnn and (segment or sink or dropout))") \
+      >"$OUT/memcheck.log" 2>&1
   rc=$?
   tail -15 "$OUT/memcheck.log"; echo "memcheck exit code: $rc"
   [[ $rc -ne 0 ]] && status=1

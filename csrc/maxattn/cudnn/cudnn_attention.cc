@@ -10,6 +10,7 @@
 
 #include "maxattn/cudnn/kernels.h"
 #include "maxattn/cudnn/sdpa_graph.h"
+#include "maxattn/fault_injection.h"
 
 namespace maxattn::cudnn {
 namespace {
@@ -48,9 +49,9 @@ Status CheckSupported(const AttentionShape& shape, const AttentionOptions& optio
     return Status::Unimplemented("the cudnn backend supports bfloat16 and float16 inputs, got float32");
   }
   if (options.softcap > 0.0f) return Status::Unimplemented("the cudnn backend does not support logits_soft_cap");
-  if (inputs.mask) return Status::Unimplemented("the cudnn backend does not support a dense boolean mask");
-  if (inputs.q_segment_ids || inputs.kv_segment_ids) {
-    return Status::Unimplemented("the cudnn backend does not support segment ids");
+  if ((inputs.mask || inputs.q_segment_ids) && !inputs.bias) {
+    return Status::InvalidArgument(
+        "the cudnn backend needs a dense mask or segment ids folded into the bias (see cudnn_attention.h)");
   }
   if ((inputs.q_seq_lengths == nullptr) != (inputs.kv_seq_lengths == nullptr)) {
     return Status::InvalidArgument("the cudnn backend needs q_seq_lengths and kv_seq_lengths together");
@@ -60,6 +61,12 @@ Status CheckSupported(const AttentionShape& shape, const AttentionOptions& optio
   }
   return Status::Ok();
 }
+
+// Logits of entries a folded-in mask removes are about the dtype's lowest
+// value; a row whose statistic is below half of it saw no visible key.
+float MaskedRowThreshold(DType dtype) { return dtype == DType::kFloat16 ? -32752.0f : -1.0e38f; }
+
+bool MaskedByBias(const AttentionInputs& inputs) { return inputs.mask || inputs.q_segment_ids; }
 
 RowGeometry Geometry(const AttentionShape& s, const AttentionOptions& o, const AttentionInputs& in) {
   RowGeometry g;
@@ -76,6 +83,8 @@ RowGeometry Geometry(const AttentionShape& s, const AttentionOptions& o, const A
   return g;
 }
 
+maxattn::testing::FaultSwitch g_workspace_faults;
+
 // Bump allocator over one scratch allocation (the FFI scratch allocator is
 // asked once per call).
 class Scratch {
@@ -83,6 +92,10 @@ class Scratch {
   void Reserve(int64_t bytes) { total_ += Round(bytes); }
   Status Allocate(const DeviceContext& ctx) {
     if (total_ == 0) return Status::Ok();
+    if (g_workspace_faults.Consume()) {
+      return Status::Internal("the XLA FFI scratch allocator could not provide " + std::to_string(total_) +
+                              " bytes: injected failure (test hook _fail_next_workspace_allocations)");
+    }
     base_ = static_cast<char*>(ctx.allocate(static_cast<size_t>(total_)));
     if (!base_) {
       return Status::Internal("the XLA FFI scratch allocator could not provide " + std::to_string(total_) +
@@ -126,15 +139,26 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
 
   const bool want_lse = outputs.lse != nullptr;
   const bool want_max = outputs.max_logit != nullptr;
+  const bool has_sink = inputs.sink_logits != nullptr;
+  // cuDNN's Max includes the sink token, max_logit must not: with max_logit
+  // the graph runs the vanilla softmax and the sink is applied afterwards
+  // (one pass over out); otherwise cuDNN applies it.
+  const bool sink_after = has_sink && want_max;
+  const bool masked = MaskedByBias(inputs);
   GraphSpec spec;
   spec.dtype = inputs.dtype;
   spec.shape = shape;
   spec.scale = options.scale;
   spec.has_bias = inputs.bias != nullptr;
   spec.bias_dims = inputs.bias_dims;
+  spec.dropout = options.dropout_rate;
+  spec.sink = has_sink && !sink_after;
   MAXATTN_RETURN_IF_ERROR(PlanMasks(shape, options, inputs.q_seq_lengths != nullptr, spec.has_bias, &spec.masks));
-  if (!want_max) spec.stats = want_lse ? StatsMode::kStats : StatsMode::kNone;
-  else spec.stats = SupportsStatsWithMax() ? StatsMode::kStatsMax : StatsMode::kMaxSumExp;
+  // Rows a folded-in mask empties are found from the statistics (a native
+  // sink makes them 0 by itself).
+  const bool detect_masked = masked && !spec.sink;
+  if (want_max) spec.stats = SupportsStatsWithMax() ? StatsMode::kStatsMax : StatsMode::kMaxSumExp;
+  else spec.stats = (want_lse || detect_masked) ? StatsMode::kStats : StatsMode::kNone;
 
   std::unique_ptr<HandleLease> lease;
   MAXATTN_RETURN_IF_ERROR(HandleLease::Acquire(ctx.device, ctx.stream, &lease));
@@ -142,19 +166,29 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
   MAXATTN_RETURN_IF_ERROR(GetGraph(spec, ctx.device, lease->handle(), &built));
 
   const int64_t rows_bytes = shape.batch * shape.num_q_heads * shape.q_len * static_cast<int64_t>(sizeof(float));
+  const bool has_stats = spec.stats == StatsMode::kStats || spec.stats == StatsMode::kStatsMax;
   const bool need_max_rows = spec.stats == StatsMode::kMaxSumExp || spec.stats == StatsMode::kStatsMax;
   const bool need_sum_exp = spec.stats == StatsMode::kMaxSumExp;
-  const bool need_stats_scratch = spec.stats == StatsMode::kStatsMax && !want_lse;
+  const bool need_stats_scratch = has_stats && !want_lse;
+  const bool need_seed = spec.dropout > 0.0f;
   Scratch scratch;
   scratch.Reserve(built->workspace_bytes);
   if (need_max_rows) scratch.Reserve(rows_bytes);
   if (need_sum_exp) scratch.Reserve(rows_bytes);
   if (need_stats_scratch) scratch.Reserve(rows_bytes);
+  if (sink_after) scratch.Reserve(rows_bytes);
+  if (need_seed) scratch.Reserve(2 * sizeof(int64_t));
   MAXATTN_RETURN_IF_ERROR(scratch.Allocate(ctx));
   void* workspace = scratch.Take(built->workspace_bytes);
   float* row_max = need_max_rows ? static_cast<float*>(scratch.Take(rows_bytes)) : nullptr;
   float* sum_exp = need_sum_exp ? static_cast<float*>(scratch.Take(rows_bytes)) : nullptr;
   float* stats = need_stats_scratch ? static_cast<float*>(scratch.Take(rows_bytes)) : outputs.lse;
+  float* row_scale = sink_after ? static_cast<float*>(scratch.Take(rows_bytes)) : nullptr;
+  int64_t* seed = need_seed ? static_cast<int64_t*>(scratch.Take(2 * sizeof(int64_t))) : nullptr;
+  if (need_seed) {
+    MAXATTN_RETURN_IF_ERROR(
+        CudaStatus(LaunchDropoutSeed(inputs.dropout_seed, seed, ctx.stream), "maxattn dropout seed kernel launch"));
+  }
 
   std::unordered_map<int64_t, void*> pack = {
       {kUidQ, const_cast<void*>(inputs.q)},
@@ -167,23 +201,38 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
     pack[kUidSeqLenQ] = const_cast<int32_t*>(inputs.q_seq_lengths);
     pack[kUidSeqLenKv] = const_cast<int32_t*>(inputs.kv_seq_lengths);
   }
-  if (spec.stats == StatsMode::kStats || spec.stats == StatsMode::kStatsMax) pack[kUidStats] = stats;
+  if (spec.sink) pack[kUidSink] = const_cast<float*>(inputs.sink_logits);
+  if (need_seed) {
+    pack[kUidSeed] = seed;
+    pack[kUidOffset] = seed + 1;
+  }
+  if (has_stats) pack[kUidStats] = stats;
   if (need_max_rows) pack[kUidMax] = row_max;
   if (need_sum_exp) pack[kUidSumExp] = sum_exp;
   MAXATTN_RETURN_IF_ERROR(Execute(*built, lease->handle(), pack, workspace));
 
   const RowGeometry geometry = Geometry(shape, options, inputs);
-  const bool empty_rows = geometry.MayHaveEmptyRows();
-  if (need_sum_exp || want_max || empty_rows) {
+  const bool empty_rows = geometry.MayHaveEmptyRows() || detect_masked;
+  if (need_sum_exp || want_max || empty_rows || sink_after) {
     FinalizeArgs args;
     args.geometry = geometry;
     args.row_max = row_max;
     args.sum_exp = sum_exp;
-    args.lse = outputs.lse;
+    args.lse = has_stats || want_lse ? (want_lse ? outputs.lse : stats) : nullptr;
     args.max_logit = outputs.max_logit;
     args.out = empty_rows ? outputs.out : nullptr;
     args.head_dim_v = static_cast<int32_t>(shape.head_dim_v);
+    args.masked_below = detect_masked ? MaskedRowThreshold(inputs.dtype) : 0.0f;
+    args.sink = inputs.sink_logits;
+    args.row_scale = row_scale;
     MAXATTN_RETURN_IF_ERROR(CudaStatus(LaunchFinalizeForward(args, ctx.stream), "maxattn finalize kernel launch"));
+  }
+  if (sink_after) {
+    MAXATTN_RETURN_IF_ERROR(CudaStatus(
+        LaunchScaleRows(outputs.out, inputs.dtype == DType::kFloat16, row_scale, static_cast<int32_t>(shape.batch),
+                        static_cast<int32_t>(shape.q_len), static_cast<int32_t>(shape.num_q_heads),
+                        static_cast<int32_t>(shape.head_dim_v), ctx.stream),
+        "maxattn sink rescale kernel launch"));
   }
   return Status::Ok();
 }
@@ -194,6 +243,9 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
   MAXATTN_RETURN_IF_ERROR(CheckSupported(shape, options, inputs));
   if (saved.dlse != nullptr) {
     return Status::InvalidArgument("the cudnn backward takes no dlse (fold it into an extra value column)");
+  }
+  if (grads.dsink != nullptr && inputs.sink_logits == nullptr) {
+    return Status::InvalidArgument("the cudnn backward got a dsink output but no sink_logits");
   }
   DeviceScope scope(ctx.device);
   MAXATTN_RETURN_IF_ERROR(CudaStatus(scope.status(), "cudaSetDevice"));
@@ -211,9 +263,17 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
       MAXATTN_RETURN_IF_ERROR(
           CudaStatus(cudaMemsetAsync(grads.dbias, 0, d.b * d.n * d.t * d.s * elem, ctx.stream), "cudaMemsetAsync"));
     }
+    if (grads.dsink) {
+      MAXATTN_RETURN_IF_ERROR(CudaStatus(
+          cudaMemsetAsync(grads.dsink, 0, shape.batch * shape.num_q_heads * sizeof(float), ctx.stream),
+          "cudaMemsetAsync"));
+    }
     return Status::Ok();
   }
 
+  // The saved lse includes any sink, so the vanilla backward graph already
+  // yields the gradients of q, k, v (and bias) under the sink softmax; the sink
+  // gradient comes from its own kernel.
   GraphSpec spec;
   spec.backward = true;
   spec.dtype = inputs.dtype;
@@ -222,6 +282,7 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
   spec.has_bias = inputs.bias != nullptr;
   spec.bias_dims = inputs.bias_dims;
   spec.want_dbias = spec.has_bias && grads.dbias != nullptr;
+  spec.dropout = options.dropout_rate;
   MAXATTN_RETURN_IF_ERROR(PlanMasks(shape, options, inputs.q_seq_lengths != nullptr, spec.has_bias, &spec.masks));
 
   std::unique_ptr<HandleLease> lease;
@@ -230,19 +291,27 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
   MAXATTN_RETURN_IF_ERROR(GetGraph(spec, ctx.device, lease->handle(), &built));
 
   const RowGeometry geometry = Geometry(shape, options, inputs);
-  const bool empty_rows = geometry.MayHaveEmptyRows();
-  const int64_t rows_bytes = shape.batch * shape.num_q_heads * shape.q_len * static_cast<int64_t>(sizeof(float));
+  const bool empty_rows = geometry.MayHaveEmptyRows() || MaskedByBias(inputs);
+  const int64_t rows = shape.batch * shape.num_q_heads * shape.q_len;
+  const int64_t rows_bytes = rows * static_cast<int64_t>(sizeof(float));
+  const bool need_seed = spec.dropout > 0.0f;
   Scratch scratch;
   scratch.Reserve(built->workspace_bytes);
   if (empty_rows) scratch.Reserve(rows_bytes);
+  if (need_seed) scratch.Reserve(2 * sizeof(int64_t));
   MAXATTN_RETURN_IF_ERROR(scratch.Allocate(ctx));
   void* workspace = scratch.Take(built->workspace_bytes);
   const float* lse = saved.lse;
   if (empty_rows) {
     float* fixed = static_cast<float*>(scratch.Take(rows_bytes));
     MAXATTN_RETURN_IF_ERROR(
-        CudaStatus(LaunchBackwardLse(geometry, saved.lse, fixed, ctx.stream), "maxattn lse kernel launch"));
+        CudaStatus(LaunchBackwardLse(saved.lse, fixed, rows, ctx.stream), "maxattn lse kernel launch"));
     lse = fixed;
+  }
+  int64_t* seed = need_seed ? static_cast<int64_t*>(scratch.Take(2 * sizeof(int64_t))) : nullptr;
+  if (need_seed) {
+    MAXATTN_RETURN_IF_ERROR(
+        CudaStatus(LaunchDropoutSeed(inputs.dropout_seed, seed, ctx.stream), "maxattn dropout seed kernel launch"));
   }
 
   std::unordered_map<int64_t, void*> pack = {
@@ -258,8 +327,20 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
     pack[kUidSeqLenQ] = const_cast<int32_t*>(inputs.q_seq_lengths);
     pack[kUidSeqLenKv] = const_cast<int32_t*>(inputs.kv_seq_lengths);
   }
+  if (need_seed) {
+    pack[kUidSeed] = seed;
+    pack[kUidOffset] = seed + 1;
+  }
   MAXATTN_RETURN_IF_ERROR(Execute(*built, lease->handle(), pack, workspace));
 
+  if (grads.dsink) {
+    MAXATTN_RETURN_IF_ERROR(CudaStatus(
+        LaunchSinkGradient(saved.out, saved.dout, inputs.dtype == DType::kFloat16, saved.lse, inputs.sink_logits,
+                           grads.dsink, static_cast<int32_t>(shape.batch), static_cast<int32_t>(shape.q_len),
+                           static_cast<int32_t>(shape.num_q_heads), static_cast<int32_t>(shape.head_dim_v),
+                           ctx.stream),
+        "maxattn sink gradient kernel launch"));
+  }
   if (spec.masks.padding) {
     // Padded query/key rows take no part in the result: their gradients are zero.
     const int32_t b = static_cast<int32_t>(shape.batch);
@@ -278,5 +359,15 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
   }
   return Status::Ok();
 }
+
+namespace test_hooks {
+
+int64_t GraphBuilds() { return BuiltGraphCount(); }
+
+void FailNextGraphBuilds(int n) { ArmGraphBuildFaults(n); }
+
+void FailNextWorkspaceAllocations(int n) { g_workspace_faults.Arm(n); }
+
+}  // namespace test_hooks
 
 }  // namespace maxattn::cudnn

@@ -7,8 +7,19 @@
 //   * bias is in the input dtype (bf16/fp16), not float32, with dims
 //     [b', n', T, S] (b' in {1, B}, n' in {1, N}); dbias likewise.
 //   * q_seq_lengths and kv_seq_lengths are both present or both absent.
+//   * a dense boolean mask and segment ids are folded into the bias: entries
+//     they remove hold the dtype's lowest finite value. Their operands are
+//     still passed; their presence tells the backend that a row may lose every
+//     key, which it detects from the softmax statistics (out = 0, lse = -inf).
+//   * the lse cotangent is folded into extra value columns (dlse is null).
 // Not supported here (the Python backend refuses them before any call):
-// float32, soft cap, dense boolean mask, segment ids.
+// float32, soft cap.
+//
+// Dropout uses cuDNN's Philox generator, seeded from the four words of
+// inputs.dropout_seed: masks are reproducible for a given seed and shape, but
+// differ from the CPU backend's. Sinks: cuDNN's sink token, except when
+// max_logit is requested (cuDNN's Max would include the sink): then the
+// vanilla softmax runs and one extra pass rescales out.
 //
 // Outputs follow the contract of attention.h: rows with no visible key get
 // out = 0 and lse = -inf and are left out of max_logit, which is reduced to
@@ -17,6 +28,7 @@
 #define MAXATTN_CUDNN_CUDNN_ATTENTION_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 
 #include <cuda_runtime_api.h>
@@ -54,6 +66,13 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
 Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOptions& options,
                               const AttentionInputs& inputs, const BackwardInputs& saved,
                               const BackwardOutputs& grads, const DeviceContext& ctx);
+
+// Test-only hooks (maxattn._maxattn_cuda._graph_builds and _fail_next_*).
+namespace test_hooks {
+int64_t GraphBuilds();                     // graphs built (and cached) in this process
+void FailNextGraphBuilds(int n);           // the next n builds fail as a cuDNN rejection
+void FailNextWorkspaceAllocations(int n);  // the next n scratch allocations fail
+}  // namespace test_hooks
 
 }  // namespace maxattn::cudnn
 

@@ -1,6 +1,7 @@
 // Small CUDA kernels around the cuDNN SDPA graphs: the softmax statistics
 // epilogue (lse = Max + log(Sum_exp), the [B, N] row-max reduction, rows with
-// no visible key) and zeroing of padded gradient rows.
+// no visible key, the attention-sink rescale), the sink gradient, cuDNN's
+// dropout seed, and zeroing of padded gradient rows.
 #ifndef MAXATTN_CUDNN_KERNELS_H_
 #define MAXATTN_CUDNN_KERNELS_H_
 
@@ -34,15 +35,37 @@ struct FinalizeArgs {
   float* max_logit = nullptr;      // [B, N]: max over visible rows of row_max; or null
   void* out = nullptr;             // [B, T, N, Hv] 2-byte elements: empty rows zeroed; or null
   int32_t head_dim_v = 0;
+  // Rows whose statistic (row_max if given, else the Stats in lse) is below
+  // this are fully masked by a folded-in bias (see cudnn_attention.h); 0 = off.
+  float masked_below = 0.0f;
+  // Per-head sink logit [N], or null: empty rows get lse = sink[n]. With
+  // row_scale, the statistics are those of the vanilla softmax and the sink is
+  // applied here: lse = logaddexp(lse, sink[n]), row_scale = exp(old - new lse).
+  const float* sink = nullptr;
+  float* row_scale = nullptr;  // [B, N, T] or null
 };
 
 // One block per (b, n).
 cudaError_t LaunchFinalizeForward(const FinalizeArgs& args, cudaStream_t stream);
 
-// lse_out = lse with rows that see no key set to 0 (cuDNN's backward would
-// compute exp(-inf - -inf) there). [B, N, T].
-cudaError_t LaunchBackwardLse(const RowGeometry& geometry, const float* lse, float* lse_out,
-                              cudaStream_t stream);
+// out[b, t, n, :] *= row_scale[b, n, t] for 2-byte `out` (bf16 or fp16).
+cudaError_t LaunchScaleRows(void* out, bool is_fp16, const float* row_scale, int32_t batch, int32_t q_len,
+                            int32_t heads, int32_t head_dim_v, cudaStream_t stream);
+
+// dsink[b, n] = -sum_t exp(sink[n] - lse[b, n, t]) * sum_h dout * out, the
+// gradient of the sink logits per batch row (out/dout [B, T, N, Hv], 2-byte;
+// their extra value columns carry the lse cotangent, see cudnn.py).
+cudaError_t LaunchSinkGradient(const void* out, const void* dout, bool is_fp16, const float* lse,
+                               const float* sink, float* dsink, int32_t batch, int32_t q_len, int32_t heads,
+                               int32_t head_dim_v, cudaStream_t stream);
+
+// cuDNN's dropout seed and offset (two int64) from the four words of
+// maxattn's dropout seed (key words, batch and head offset of the block).
+cudaError_t LaunchDropoutSeed(const uint32_t* words, int64_t* seed_and_offset, cudaStream_t stream);
+
+// lse_out = lse with -inf (rows that see no key) replaced by 0, so that
+// cuDNN's backward never computes exp(-inf - -inf). `count` floats.
+cudaError_t LaunchBackwardLse(const float* lse, float* lse_out, int64_t count, cudaStream_t stream);
 
 // Zeroes rows l >= lengths[b] of a [batch, rows, row_elems] buffer of 2-byte elements.
 cudaError_t LaunchZeroPaddedRows(void* data, int32_t batch, int32_t rows, int64_t row_elems,

@@ -1,5 +1,6 @@
 #include "maxattn/cudnn/sdpa_graph.h"
 
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -8,6 +9,8 @@
 
 #include <cuda_runtime_api.h>
 #include <cudnn_frontend.h>
+
+#include "maxattn/fault_injection.h"
 
 namespace maxattn::cudnn {
 namespace fe = cudnn_frontend;
@@ -63,6 +66,27 @@ std::shared_ptr<fe::graph::Tensor_attributes> BiasLike(fe::graph::Graph& g, cons
                       .set_stride({d.n * d.t * d.s, d.t * d.s, d.s, 1}));
 }
 
+// A per-head float32 [1, N, 1, 1] tensor (the sink logits).
+std::shared_ptr<fe::graph::Tensor_attributes> PerHead(fe::graph::Graph& g, const char* name, int64_t uid,
+                                                      int64_t heads) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({1, heads, 1, 1})
+                      .set_stride({heads, 1, 1, 1})
+                      .set_data_type(fe::DataType_t::FLOAT));
+}
+
+// An int64 scalar in device memory (dropout seed / offset).
+std::shared_ptr<fe::graph::Tensor_attributes> Scalar64(fe::graph::Graph& g, const char* name, int64_t uid) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({1, 1, 1, 1})
+                      .set_stride({1, 1, 1, 1})
+                      .set_data_type(fe::DataType_t::INT64));
+}
+
 std::shared_ptr<fe::graph::Tensor_attributes> SeqLen(fe::graph::Graph& g, const char* name, int64_t uid,
                                                      int64_t batch) {
   return g.tensor(fe::graph::Tensor_attributes()
@@ -79,6 +103,20 @@ void ApplyMasks(const MaskPlan& m, Attributes& a) {
   else a.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT);
   if (m.left_bound) a.set_diagonal_band_left_bound(static_cast<int>(*m.left_bound));
   if (m.right_bound) a.set_diagonal_band_right_bound(static_cast<int>(*m.right_bound));
+}
+
+// The attributes forward and backward share: padding, diagonal band, dropout.
+template <typename Attributes>
+void ApplyCommon(fe::graph::Graph& g, const GraphSpec& spec, Attributes& a) {
+  if (spec.masks.padding) {
+    a.set_padding_mask(true)
+        .set_seq_len_q(SeqLen(g, "SeqLenQ", kUidSeqLenQ, spec.shape.batch))
+        .set_seq_len_kv(SeqLen(g, "SeqLenKV", kUidSeqLenKv, spec.shape.batch));
+  }
+  ApplyMasks(spec.masks, a);
+  if (spec.dropout > 0.0f) {
+    a.set_dropout(spec.dropout, Scalar64(g, "Seed", kUidSeed), Scalar64(g, "Offset", kUidOffset));
+  }
 }
 
 std::shared_ptr<fe::graph::Graph> NewGraph(DType dtype) {
@@ -98,12 +136,8 @@ std::shared_ptr<fe::graph::Graph> DefineForward(const GraphSpec& spec) {
   const bool stats = spec.stats == StatsMode::kStats || spec.stats == StatsMode::kStatsMax;
   auto attrs = fe::graph::SDPA_attributes().set_name("maxattn_sdpa_fwd").set_attn_scale(spec.scale).set_generate_stats(stats);
   if (spec.has_bias) attrs.set_bias(BiasLike(*g, "Bias", kUidBias, spec.bias_dims));
-  if (spec.masks.padding) {
-    attrs.set_padding_mask(true)
-        .set_seq_len_q(SeqLen(*g, "SeqLenQ", kUidSeqLenQ, s.batch))
-        .set_seq_len_kv(SeqLen(*g, "SeqLenKV", kUidSeqLenKv, s.batch));
-  }
-  ApplyMasks(spec.masks, attrs);
+  if (spec.sink) attrs.set_sink_token(PerHead(*g, "Sink", kUidSink, s.num_q_heads));
+  ApplyCommon(*g, spec, attrs);
   if (spec.stats == StatsMode::kMaxSumExp || spec.stats == StatsMode::kStatsMax) {
     auto max = RowStats(*g, "Max", kUidMax, s);
     max->set_output(true);
@@ -141,12 +175,7 @@ std::shared_ptr<fe::graph::Graph> DefineBackward(const GraphSpec& spec) {
       attrs.set_dbias(dbias);
     }
   }
-  if (spec.masks.padding) {
-    attrs.set_padding_mask(true)
-        .set_seq_len_q(SeqLen(*g, "SeqLenQ", kUidSeqLenQ, s.batch))
-        .set_seq_len_kv(SeqLen(*g, "SeqLenKV", kUidSeqLenKv, s.batch));
-  }
-  ApplyMasks(spec.masks, attrs);
+  ApplyCommon(*g, spec, attrs);
   auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, std::move(attrs));
   SetBthd(dq, "dQ", kUidDQ, s.batch, s.q_len, s.num_q_heads, s.head_dim);
   SetBthd(dk, "dK", kUidDK, s.batch, s.kv_len, s.num_kv_heads, s.head_dim);
@@ -154,8 +183,14 @@ std::shared_ptr<fe::graph::Graph> DefineBackward(const GraphSpec& spec) {
   return g;
 }
 
+std::atomic<int64_t> g_graph_builds{0};
+maxattn::testing::FaultSwitch g_graph_build_faults;
+
 // validate -> operation graph -> heuristics -> support -> plans.
 Status Build(const GraphSpec& spec, cudnnHandle_t handle, BuiltGraph* out) {
+  if (g_graph_build_faults.Consume()) {
+    return Status::Unimplemented("cuDNN graph build failed: injected failure (test hook _fail_next_graph_builds)");
+  }
   std::shared_ptr<fe::graph::Graph> g;
   try {
     g = spec.backward ? DefineBackward(spec) : DefineForward(spec);
@@ -177,15 +212,16 @@ Status Build(const GraphSpec& spec, cudnnHandle_t handle, BuiltGraph* out) {
 
 std::vector<int64_t> Key(const GraphSpec& spec, int device) {
   const AttentionShape& s = spec.shape;
-  int32_t scale_bits = 0;
+  int32_t scale_bits = 0, dropout_bits = 0;
   std::memcpy(&scale_bits, &spec.scale, sizeof scale_bits);
+  std::memcpy(&dropout_bits, &spec.dropout, sizeof dropout_bits);
   const MaskPlan& m = spec.masks;
   return {spec.backward, device, static_cast<int64_t>(cudnnGetVersion()), static_cast<int64_t>(spec.dtype),
           s.batch, s.q_len, s.kv_len, s.num_q_heads, s.num_kv_heads, s.head_dim, s.head_dim_v, scale_bits,
           m.padding, m.bottom_right, m.left_bound.has_value(), m.left_bound.value_or(0),
           m.right_bound.has_value(), m.right_bound.value_or(0), spec.has_bias, spec.bias_dims.b,
           spec.bias_dims.n, spec.bias_dims.t, spec.bias_dims.s, static_cast<int64_t>(spec.stats),
-          spec.want_dbias};
+          spec.want_dbias, dropout_bits, spec.sink};
 }
 
 class CudaDeviceGuard {
@@ -242,9 +278,10 @@ Status PlanMasks(const AttentionShape& shape, const AttentionOptions& options, b
   const bool banded = m.left_bound || m.right_bound;
   if (banded && options.alignment == CausalAlignment::kBottomRight) {
     if (padding) {
-      if (has_bias) {
+      if (has_bias || options.dropout_rate > 0.0f) {
         return Status::Unimplemented(
-            "cuDNN does not support a bias together with bottom-right causal alignment and sequence lengths");
+            "cuDNN does not support a bias, mask, segment ids or dropout together with bottom-right causal "
+            "alignment and sequence lengths");
       }
       m.bottom_right = true;
     } else {
@@ -277,9 +314,14 @@ Status GetGraph(const GraphSpec& spec, int device, cudnnHandle_t handle, std::sh
   auto built = std::make_shared<BuiltGraph>();
   MAXATTN_RETURN_IF_ERROR(Build(spec, handle, built.get()));
   (*cache)[key] = built;
+  g_graph_builds.fetch_add(1, std::memory_order_relaxed);
   *out = std::move(built);
   return Status::Ok();
 }
+
+int64_t BuiltGraphCount() { return g_graph_builds.load(std::memory_order_relaxed); }
+
+void ArmGraphBuildFaults(int n) { g_graph_build_faults.Arm(n); }
 
 Status HandleLease::Acquire(int device, cudaStream_t stream, std::unique_ptr<HandleLease>* out) {
   static auto* mutex = new std::mutex;

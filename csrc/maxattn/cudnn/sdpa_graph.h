@@ -34,6 +34,9 @@ enum Uid : int64_t {
   kUidDK,
   kUidDV,
   kUidDBias,
+  kUidSink,
+  kUidSeed,
+  kUidOffset,
 };
 
 // Which softmax statistics the forward graph emits.
@@ -67,6 +70,8 @@ struct GraphSpec {
   BroadcastDims bias_dims;
   StatsMode stats = StatsMode::kNone;  // forward only
   bool want_dbias = false;             // backward only
+  float dropout = 0.0f;                // probability; > 0 adds the Seed and Offset inputs
+  bool sink = false;                   // forward only: cuDNN's sink token (f32 [1, N, 1, 1])
 };
 
 struct BuiltGraph {
@@ -75,8 +80,14 @@ struct BuiltGraph {
 };
 
 // The cached graph for `spec` on `device`, built on a miss (thread-safe; the
-// key includes the device ordinal and the cuDNN version).
+// key includes the device ordinal and the cuDNN version). Concurrent first
+// uses of one spec build it once.
 Status GetGraph(const GraphSpec& spec, int device, cudnnHandle_t handle, std::shared_ptr<const BuiltGraph>* out);
+
+// Test hooks (maxattn._maxattn_cuda): graphs built so far, and a switch that
+// makes the next builds fail as a cuDNN rejection would.
+int64_t BuiltGraphCount();
+void ArmGraphBuildFaults(int n);
 
 // One cuDNN handle per device, created on first use and kept for the process.
 // The returned lock must be held while the handle is bound to a stream and

@@ -10,6 +10,10 @@ Arranged here before the FFI call:
   * bias in the input dtype, broadcast to [b', n', T, S] (cuDNN broadcasts
     only over batch and heads); dbias comes back in the input dtype and is
     summed over the axes we broadcast;
+  * a dense boolean mask and segment ids are folded into that bias (entries
+    they remove get the dtype's lowest finite value; the C++ side finds rows
+    left with no key from the softmax statistics). This costs a [b', n', T, S]
+    bias in memory and bandwidth, unlike the CPU backend;
   * q/kv sequence lengths given together (a missing one is the full length);
   * a non-zero lse cotangent: cuDNN's backward has no input for it, so it is
     folded into an extra value column: with o' = [o, -dlse], do' = [do, 1] and
@@ -86,15 +90,6 @@ def unsupported_reason(config: AttentionConfig, ops: Operands) -> Optional[str]:
             return ("logits_soft_cap together with masking (causal, window, sequence lengths, segment ids or "
                     "mask) is a known cuDNN gap: cuDNN's score modifier disables its built-in masks")
         return "logits_soft_cap is not supported by the cudnn backend"
-    if config.has_mask:
-        return ("a dense boolean mask is not supported by cuDNN; express it with is_causal, local_window_size, "
-                "sequence lengths or an additive bias")
-    if config.has_segment_ids:
-        return "segment ids are not supported by the cudnn backend yet"
-    if config.dropout_rate > 0.0:
-        return "dropout is not supported by the cudnn backend yet"
-    if config.softmax_type != "vanilla":
-        return f"softmax_type={config.softmax_type!r} (attention sinks) is not supported by the cudnn backend yet"
     B, T, N, H = q.shape
     S, Hv = k.shape[1], v.shape[3]
     for name, d in (("H", H), ("Hv", Hv)):
@@ -106,8 +101,9 @@ def unsupported_reason(config: AttentionConfig, ops: Operands) -> Optional[str]:
     right = _right_bound(config)
     banded = right is not None or config.window_left >= 0
     if banded and config.bottom_right:
-        if padding and config.has_bias:
-            return "cuDNN does not support a bias with bottom-right alignment and sequence lengths"
+        if padding and (config.has_bias or config.has_mask or config.has_segment_ids or config.has_dropout):
+            return ("cuDNN does not support a bias, mask, segment ids or dropout together with bottom-right "
+                    "alignment and sequence lengths")
         if not padding and right is not None and right + S - T < 0:
             return (f"bottom-right causal alignment with T={T} > S={S} leaves the first rows empty, which cuDNN "
                     "cannot express without sequence lengths")
@@ -116,26 +112,53 @@ def unsupported_reason(config: AttentionConfig, ops: Operands) -> Optional[str]:
     return None
 
 
-def _prepare(config: AttentionConfig, ops: Operands):
-    """The nine FFI operands and the attributes, in cuDNN's conventions."""
+def _bias_with_masks(config: AttentionConfig, ops: Operands) -> Optional[jax.Array]:
+    """The bias cuDNN sees: the user's bias (input dtype) with the dense mask and
+    segment ids folded in, broadcast to [b', n', T, S]; None without any of them."""
     q = ops.query
     B, T, N, _ = q.shape
     S = ops.key.shape[1]
     bias = ops.bias
     if bias is not None:
-        bias = jnp.broadcast_to(bias, bias.shape[:2] + (T, S)).astype(q.dtype)
+        bias = bias.astype(q.dtype)
+    keep = None
+    if ops.mask is not None:
+        keep = ops.mask
+    if ops.q_segment_ids is not None:
+        qs = ops.q_segment_ids[:, None, :, None]
+        ks = ops.kv_segment_ids[:, None, None, :]
+        seg = (qs == ks) & (qs != 0)
+        keep = seg if keep is None else keep & seg
+    if keep is not None:
+        lowest = jnp.asarray(jnp.finfo(q.dtype).min, q.dtype)
+        bias = jnp.where(keep, jnp.zeros((), q.dtype) if bias is None else bias, lowest)
+    if bias is None:
+        return None
+    return jnp.broadcast_to(bias, bias.shape[:2] + (T, S))
+
+
+def _prepare(config: AttentionConfig, ops: Operands):
+    """The eleven FFI operands and the attributes, in cuDNN's conventions."""
+    q = ops.query
+    B, T, N, _ = q.shape
+    S = ops.key.shape[1]
+    bias = _bias_with_masks(config, ops)
     qlen, kvlen = ops.q_seq_lengths, ops.kv_seq_lengths
     if (qlen is None) != (kvlen is None):
         qlen = jnp.full((B,), T, jnp.int32) if qlen is None else qlen
         kvlen = jnp.full((B,), S, jnp.int32) if kvlen is None else kvlen
     attrs = config.ffi_attributes()
-    attrs.update(has_q_seq_lengths=qlen is not None, has_kv_seq_lengths=kvlen is not None)
+    attrs.update(has_bias=bias is not None, has_q_seq_lengths=qlen is not None,
+                 has_kv_seq_lengths=kvlen is not None)
 
     def opt(x, dtype):
         return jnp.zeros((0,), dtype) if x is None else x
 
-    arrays = [q, ops.key, ops.value, opt(bias, q.dtype), jnp.zeros((0,), jnp.bool_),
-              opt(qlen, jnp.int32), opt(kvlen, jnp.int32), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32)]
+    arrays = [q, ops.key, ops.value, opt(bias, q.dtype), opt(ops.mask, jnp.bool_),
+              opt(qlen, jnp.int32), opt(kvlen, jnp.int32), opt(ops.q_segment_ids, jnp.int32),
+              opt(ops.kv_segment_ids, jnp.int32),
+              opt(None if ops.sink_logits is None else ops.sink_logits.astype(jnp.float32), jnp.float32),
+              opt(ops.dropout_seed, jnp.uint32)]
     return arrays, attrs, bias
 
 
@@ -148,7 +171,7 @@ def _forward_unbatched(config: AttentionConfig, want_lse: bool, want_max: bool, 
     return out, (lse if want_lse else None), (mx if want_max else None)
 
 
-_NUM_OPERANDS = len(Operands._fields)  # the nine common ones, then CPU-only extras (always None here)
+_NUM_OPERANDS = len(Operands._fields)
 
 
 def _backward_unbatched(config: AttentionConfig, *arrays):
@@ -169,26 +192,30 @@ def _backward_unbatched(config: AttentionConfig, *arrays):
         v = jnp.concatenate([v, jnp.zeros(v.shape[:3] + (_DLSE_COLUMNS,), dtype)], -1)
         ops = ops._replace(value=v)
     operands, attrs, bias = _prepare(config, ops)
+    want_dbias = ops.bias is not None
+    has_sink = ops.sink_logits is not None
     shapes = (
         jax.ShapeDtypeStruct(q.shape, dtype),
         jax.ShapeDtypeStruct(k.shape, dtype),
         jax.ShapeDtypeStruct(v.shape, dtype),
-        jax.ShapeDtypeStruct(bias.shape if bias is not None else (0,), dtype),
+        jax.ShapeDtypeStruct(bias.shape if want_dbias else (0,), dtype),
+        jax.ShapeDtypeStruct((q.shape[0], q.shape[2]) if has_sink else (0,), jnp.float32),
     )
-    dq, dk, dv, dbias = jax.ffi.ffi_call(BWD_TARGET, shapes)(
+    dq, dk, dv, dbias, dsink = jax.ffi.ffi_call(BWD_TARGET, shapes)(
         *operands, out, dout.astype(dtype), lse, jnp.zeros((0,), jnp.float32), **attrs)
     dv = dv[..., :Hv]
-    if ops.bias is None:
-        return dq, dk, dv, None
-    axes = tuple(a for a in (2, 3) if ops.bias.shape[a] == 1 and dbias.shape[a] != 1)
-    dbias = dbias.astype(jnp.float32)
-    if axes:
-        dbias = jnp.sum(dbias, axis=axes, keepdims=True)
-    return dq, dk, dv, dbias
+    if want_dbias:
+        # cuDNN's dbias has the folded bias's shape; sum it over the axes the user's bias broadcasts.
+        axes = tuple(a for a in range(4) if ops.bias.shape[a] == 1 and dbias.shape[a] != 1)
+        dbias = dbias.astype(jnp.float32)
+        if axes:
+            dbias = jnp.sum(dbias, axis=axes, keepdims=True)
+    else:
+        dbias = None
+    return dq, dk, dv, dbias, (dsink if has_sink else None)
 
 
-_ROLES = ((batching.BATCH,) * 3 + (batching.BCAST,) * 2 + (batching.BATCH,) * 4
-          + (batching.REPL,) * (_NUM_OPERANDS - 9))
+_ROLES = (batching.BATCH,) * 3 + (batching.BCAST,) * 2 + (batching.BATCH,) * 4 + (batching.REPL,) * 2
 
 
 @functools.cache
@@ -200,7 +227,7 @@ def _forward_fn(config: AttentionConfig, want_lse: bool, want_max: bool):
 @functools.cache
 def _backward_fn(config: AttentionConfig):
     return batching.fold_into_batch(
-        functools.partial(_backward_unbatched, config), _ROLES + (batching.BATCH,) * 4, (None, None, None, 3))
+        functools.partial(_backward_unbatched, config), _ROLES + (batching.BATCH,) * 4, (None, None, None, 3, None))
 
 
 def forward(config: AttentionConfig, ops: Operands, want_lse: bool, want_max: bool):
@@ -209,5 +236,7 @@ def forward(config: AttentionConfig, ops: Operands, want_lse: bool, want_max: bo
 
 
 def backward(config: AttentionConfig, ops: Operands, out, lse, dout, dlse):
-    """(dq, dk, dv, dbias float32 like ops.bias or None)."""
-    return tuple(_backward_fn(config)(*ops, out, lse, dout, dlse))[:4]
+    """(dq, dk, dv, dbias float32 like ops.bias or None), plus dsink f32 [B, N]
+    when ops has sink_logits (as the CPU backend's `backward`)."""
+    res = tuple(_backward_fn(config)(*ops, out, lse, dout, dlse))
+    return res if ops.sink_logits is not None else res[:4]
