@@ -60,7 +60,8 @@ def _inputs(name, seed=0):
     bias = None
     if bias_shape:
         full = dict(B=B, N=N, T=T, S=S)
-        bias = jnp.asarray(rng.standard_normal([full.get(c, 1) for c in bias_shape]), jnp.float32)
+        # In the activation dtype: the backend consumes the bias in it (DESIGN §3: same rounded inputs).
+        bias = jnp.asarray(rng.standard_normal([full.get(c, 1) for c in bias_shape]), dtype)
     ct_out = jnp.asarray(rng.standard_normal((B, T, N, Hv)), jnp.float32)
     ct_lse = jnp.asarray(rng.standard_normal((B, N, T)), jnp.float32)
     return q, k, v, bias, ct_out, ct_lse, kwargs
@@ -183,13 +184,16 @@ def test_jit_compiles_once_and_grad_through_out_only():
     ({}, jnp.float32, "float32"),
     ({"logits_soft_cap": 30.0}, jnp.bfloat16, "not supported"),
     ({"logits_soft_cap": 30.0, "is_causal": True}, jnp.bfloat16, "known cuDNN gap"),
-    ({"mask": np.ones((1, 1, 64, 64), bool)}, jnp.bfloat16, "dense boolean mask"),
+    ({"is_causal": True, "causal_alignment": "bottom_right", "query_seq_lengths": [40],
+      "key_value_seq_lengths": [64], "dropout_rate": 0.1}, jnp.bfloat16, "dropout together with bottom-right"),
 ])
 def test_unsupported_configurations_raise_with_reason(kwargs, dtype, needle):
     q, k, v = random_inputs(1, 1, 64, 64, 2, 2, 64, 64, dtype)
-    mask = kwargs.pop("mask", None)
+    kwargs = {key: (jnp.asarray(val, jnp.int32) if "seq_lengths" in key else val) for key, val in kwargs.items()}
+    if "dropout_rate" in kwargs:
+        kwargs["dropout_rng"] = jax.random.key(0)
     with pytest.raises(ValueError, match=needle):
-        maxattn.dot_product_attention(q, k, v, None, mask, implementation="cudnn", **kwargs)
+        maxattn.dot_product_attention(q, k, v, implementation="cudnn", **kwargs)
 
 
 def test_auto_uses_cudnn_on_gpu_and_falls_back_with_warning():

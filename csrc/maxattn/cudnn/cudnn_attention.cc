@@ -298,9 +298,11 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
   Scratch scratch;
   scratch.Reserve(built->workspace_bytes);
   if (empty_rows) scratch.Reserve(rows_bytes);
+  if (grads.dsink) scratch.Reserve(rows_bytes);
   if (need_seed) scratch.Reserve(2 * sizeof(int64_t));
   MAXATTN_RETURN_IF_ERROR(scratch.Allocate(ctx));
   void* workspace = scratch.Take(built->workspace_bytes);
+  float* sink_terms = grads.dsink ? static_cast<float*>(scratch.Take(rows_bytes)) : nullptr;
   const float* lse = saved.lse;
   if (empty_rows) {
     float* fixed = static_cast<float*>(scratch.Take(rows_bytes));
@@ -336,7 +338,7 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
   if (grads.dsink) {
     MAXATTN_RETURN_IF_ERROR(CudaStatus(
         LaunchSinkGradient(saved.out, saved.dout, inputs.dtype == DType::kFloat16, saved.lse, inputs.sink_logits,
-                           grads.dsink, static_cast<int32_t>(shape.batch), static_cast<int32_t>(shape.q_len),
+                           sink_terms, grads.dsink, static_cast<int32_t>(shape.batch), static_cast<int32_t>(shape.q_len),
                            static_cast<int32_t>(shape.num_q_heads), static_cast<int32_t>(shape.head_dim_v),
                            ctx.stream),
         "maxattn sink gradient kernel launch"));

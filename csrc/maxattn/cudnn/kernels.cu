@@ -37,16 +37,6 @@ __device__ __forceinline__ float LogAddExp(float a, float b) {
   return hi + log1pf(expf(lo - hi));
 }
 
-__device__ __forceinline__ float ToFloat(const uint16_t* p, int64_t i, bool is_fp16) {
-  return is_fp16 ? __half2float(reinterpret_cast<const __half*>(p)[i])
-                 : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i]);
-}
-
-__device__ __forceinline__ void Store(uint16_t* p, int64_t i, float x, bool is_fp16) {
-  if (is_fp16) reinterpret_cast<__half*>(p)[i] = __float2half_rn(x);
-  else reinterpret_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
-}
-
 // Block-wide reduction of one float per thread; the result is valid in thread 0.
 template <typename Op>
 __device__ float BlockReduce(float value, Op op) {
@@ -103,39 +93,87 @@ __global__ void FinalizeForwardKernel(FinalizeArgs args) {
   if (threadIdx.x == 0) args.max_logit[bn] = acc;
 }
 
-// One block per (b, t) row of out: its N * Hv contiguous elements.
-__global__ void ScaleRowsKernel(uint16_t* out, bool is_fp16, const float* row_scale, int32_t q_len,
-                                int32_t heads, int32_t head_dim_v) {
-  const int64_t bt = blockIdx.x;
-  const int64_t b = bt / q_len, t = bt % q_len;
-  const int64_t width = static_cast<int64_t>(heads) * head_dim_v;
-  uint16_t* row = out + bt * width;
-  for (int64_t e = threadIdx.x; e < width; e += blockDim.x) {
-    const int64_t n = e / head_dim_v;
-    const float scale = row_scale[(b * heads + n) * q_len + t];
-    Store(row, e, ToFloat(row, e, is_fp16) * scale, is_fp16);
+// Eight 2-byte elements (16 bytes) per thread: Hv % 8 == 0 (cuDNN's rule), so
+// a vector never straddles two heads' rows.
+constexpr int kVector = 8;
+
+__device__ __forceinline__ float Dot8(const uint4& a, const uint4& b, bool is_fp16) {
+  const uint32_t* x = reinterpret_cast<const uint32_t*>(&a);
+  const uint32_t* y = reinterpret_cast<const uint32_t*>(&b);
+  float sum = 0.0f;
+  for (int w = 0; w < 4; ++w) {
+    float2 fx, fy;
+    if (is_fp16) {
+      fx = __half22float2(*reinterpret_cast<const __half2*>(&x[w]));
+      fy = __half22float2(*reinterpret_cast<const __half2*>(&y[w]));
+    } else {
+      fx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x[w]));
+      fy = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&y[w]));
+    }
+    sum += fx.x * fy.x + fx.y * fy.y;
+  }
+  return sum;
+}
+
+__device__ __forceinline__ void Scale8(uint4& a, float scale, bool is_fp16) {
+  uint32_t* x = reinterpret_cast<uint32_t*>(&a);
+  for (int w = 0; w < 4; ++w) {
+    if (is_fp16) {
+      float2 f = __half22float2(*reinterpret_cast<const __half2*>(&x[w]));
+      const __half2 h = __float22half2_rn(make_float2(f.x * scale, f.y * scale));
+      x[w] = *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+      float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x[w]));
+      const __nv_bfloat162 h = __float22bfloat162_rn(make_float2(f.x * scale, f.y * scale));
+      x[w] = *reinterpret_cast<const uint32_t*>(&h);
+    }
   }
 }
 
-// One block per (b, n); one warp per row t at a time.
-__global__ void SinkGradientKernel(const uint16_t* out, const uint16_t* dout, bool is_fp16, const float* lse,
-                                   const float* sink, float* dsink, int32_t q_len, int32_t heads,
-                                   int32_t head_dim_v) {
-  const int32_t bn = blockIdx.x;
-  const int64_t b = bn / heads, n = bn % heads;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  float acc = 0.0f;
-  for (int64_t t = warp; t < q_len; t += warps) {
-    const int64_t offset = ((b * q_len + t) * heads + n) * head_dim_v;
+// (b, n, t) statistics index of the head row r = (b * T + t) * N + n of a [B, T, N, Hv] tensor.
+__device__ __forceinline__ int64_t StatsIndex(int64_t r, int32_t q_len, int32_t heads) {
+  const int64_t n = r % heads, bt = r / heads;
+  return (bt / q_len * heads + n) * q_len + bt % q_len;
+}
+
+__global__ void ScaleRowsKernel(uint4* out, bool is_fp16, const float* row_scale, int64_t vectors,
+                                int32_t q_len, int32_t heads, int32_t vectors_per_row) {
+  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < vectors;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint4 pack = out[v];
+    Scale8(pack, row_scale[StatsIndex(v / vectors_per_row, q_len, heads)], is_fp16);
+    out[v] = pack;
+  }
+}
+
+// Per head row (one per warp): contribution[b, n, t] = -exp(sink[n] - lse) * sum_h dout * out.
+__global__ void SinkRowTermsKernel(const uint4* out, const uint4* dout, bool is_fp16, const float* lse,
+                                   const float* sink, float* terms, int64_t rows, int32_t q_len, int32_t heads,
+                                   int32_t vectors_per_row) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
     float d = 0.0f;
-    for (int32_t h = lane; h < head_dim_v; h += 32) {
-      d += ToFloat(out, offset + h, is_fp16) * ToFloat(dout, offset + h, is_fp16);
+    for (int32_t j = lane; j < vectors_per_row; j += 32) {
+      const int64_t v = r * vectors_per_row + j;
+      d += Dot8(out[v], dout[v], is_fp16);
     }
     for (int o = 16; o > 0; o /= 2) d += __shfl_xor_sync(0xffffffffu, d, o);
-    if (lane == 0 && d != 0.0f) acc -= expf(sink[n] - lse[static_cast<int64_t>(bn) * q_len + t]) * d;
+    if (lane == 0) {
+      const int64_t idx = StatsIndex(r, q_len, heads);
+      // d == 0 for rows with no visible key (out = 0), where lse may be -inf.
+      terms[idx] = d == 0.0f ? 0.0f : -expf(sink[r % heads] - lse[idx]) * d;
+    }
   }
+}
+
+// dsink[b, n] = sum over t of terms[b, n, t]; one block per (b, n), fixed order.
+__global__ void SumRowsKernel(const float* terms, float* dsink, int32_t q_len) {
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * q_len;
+  float acc = 0.0f;
+  for (int64_t t = threadIdx.x; t < q_len; t += blockDim.x) acc += terms[base + t];
   acc = BlockReduce(acc, [](float x, float y) { return x + y; });
-  if (threadIdx.x == 0) dsink[bn] = acc;
+  if (threadIdx.x == 0) dsink[blockIdx.x] = acc;
 }
 
 __device__ __forceinline__ uint64_t SplitMix64(uint64_t x) {
@@ -194,23 +232,37 @@ cudaError_t LaunchFinalizeForward(const FinalizeArgs& args, cudaStream_t stream)
   return cudaGetLastError();
 }
 
+namespace {
+
+unsigned GridFor(int64_t items, int64_t per_block) {
+  const int64_t blocks = (items + per_block - 1) / per_block;
+  return static_cast<unsigned>(blocks < (int64_t{1} << 20) ? blocks : (int64_t{1} << 20));
+}
+
+}  // namespace
+
 cudaError_t LaunchScaleRows(void* out, bool is_fp16, const float* row_scale, int32_t batch, int32_t q_len,
                             int32_t heads, int32_t head_dim_v, cudaStream_t stream) {
-  const int64_t rows = static_cast<int64_t>(batch) * q_len;
-  if (rows == 0 || heads == 0 || head_dim_v == 0) return cudaSuccess;
-  ScaleRowsKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(static_cast<uint16_t*>(out), is_fp16,
-                                                                        row_scale, q_len, heads, head_dim_v);
+  const int64_t vectors = static_cast<int64_t>(batch) * q_len * heads * (head_dim_v / kVector);
+  if (vectors == 0) return cudaSuccess;
+  if (head_dim_v % kVector != 0) return cudaErrorInvalidValue;
+  ScaleRowsKernel<<<GridFor(vectors, kThreads), kThreads, 0, stream>>>(
+      static_cast<uint4*>(out), is_fp16, row_scale, vectors, q_len, heads, head_dim_v / kVector);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchSinkGradient(const void* out, const void* dout, bool is_fp16, const float* lse,
-                               const float* sink, float* dsink, int32_t batch, int32_t q_len, int32_t heads,
-                               int32_t head_dim_v, cudaStream_t stream) {
-  const int blocks = batch * heads;
-  if (blocks == 0) return cudaSuccess;
-  SinkGradientKernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint16_t*>(out),
-                                                     static_cast<const uint16_t*>(dout), is_fp16, lse, sink,
-                                                     dsink, q_len, heads, head_dim_v);
+                               const float* sink, float* terms, float* dsink, int32_t batch, int32_t q_len,
+                               int32_t heads, int32_t head_dim_v, cudaStream_t stream) {
+  const int64_t rows = static_cast<int64_t>(batch) * q_len * heads;
+  if (rows == 0) return cudaSuccess;
+  if (head_dim_v % kVector != 0) return cudaErrorInvalidValue;
+  SinkRowTermsKernel<<<GridFor(rows, kThreads / 32), kThreads, 0, stream>>>(
+      static_cast<const uint4*>(out), static_cast<const uint4*>(dout), is_fp16, lse, sink, terms, rows, q_len,
+      heads, head_dim_v / kVector);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  SumRowsKernel<<<batch * heads, kThreads, 0, stream>>>(terms, dsink, q_len);
   return cudaGetLastError();
 }
 

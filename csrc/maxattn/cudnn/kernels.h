@@ -48,16 +48,19 @@ struct FinalizeArgs {
 // One block per (b, n).
 cudaError_t LaunchFinalizeForward(const FinalizeArgs& args, cudaStream_t stream);
 
-// out[b, t, n, :] *= row_scale[b, n, t] for 2-byte `out` (bf16 or fp16).
+// out[b, t, n, :] *= row_scale[b, n, t] for 2-byte `out` (bf16 or fp16);
+// head_dim_v must be a multiple of 8 and `out` 16-byte aligned.
 cudaError_t LaunchScaleRows(void* out, bool is_fp16, const float* row_scale, int32_t batch, int32_t q_len,
                             int32_t heads, int32_t head_dim_v, cudaStream_t stream);
 
 // dsink[b, n] = -sum_t exp(sink[n] - lse[b, n, t]) * sum_h dout * out, the
-// gradient of the sink logits per batch row (out/dout [B, T, N, Hv], 2-byte;
-// their extra value columns carry the lse cotangent, see cudnn.py).
+// gradient of the sink logits per batch row (out/dout [B, T, N, Hv], 2-byte,
+// Hv a multiple of 8; their extra value columns carry the lse cotangent, see
+// cudnn.py). `terms` is [B, N, T] float scratch; the sum over t has a fixed
+// order, so the result is deterministic.
 cudaError_t LaunchSinkGradient(const void* out, const void* dout, bool is_fp16, const float* lse,
-                               const float* sink, float* dsink, int32_t batch, int32_t q_len, int32_t heads,
-                               int32_t head_dim_v, cudaStream_t stream);
+                               const float* sink, float* terms, float* dsink, int32_t batch, int32_t q_len,
+                               int32_t heads, int32_t head_dim_v, cudaStream_t stream);
 
 // cuDNN's dropout seed and offset (two int64) from the four words of
 // maxattn's dropout seed (key words, batch and head offset of the block).
