@@ -217,7 +217,7 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
     FinalizeArgs args;
     args.geometry = geometry;
     args.row_max = row_max;
-    args.sum_exp = sum_exp;
+    args.sum_exp = (want_lse || sink_after) ? sum_exp : nullptr;  // max_logit alone needs no lse
     args.lse = has_stats || want_lse ? (want_lse ? outputs.lse : stats) : nullptr;
     args.max_logit = outputs.max_logit;
     args.out = empty_rows ? outputs.out : nullptr;

@@ -41,7 +41,7 @@ __device__ __forceinline__ float LogAddExp(float a, float b) {
 template <typename Op>
 __device__ float BlockReduce(float value, Op op) {
   for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_down_sync(0xffffffffu, value, offset));
-  __shared__ float partial[kThreads / 32];
+  __shared__ float partial[32];  // one per warp, up to 1024 threads
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane == 0) partial[warp] = value;
   __syncthreads();
@@ -51,40 +51,66 @@ __device__ float BlockReduce(float value, Op op) {
   return value;
 }
 
-__global__ void FinalizeForwardKernel(FinalizeArgs args) {
+// Each thread of the finalize kernel handles kRowsPerThread consecutive rows
+// per step, loading them (as one float4 when aligned) before using any, so
+// that the loads overlap instead of paying the memory latency row by row.
+constexpr int kRowsPerThread = 4;
+
+__device__ __forceinline__ void LoadRows(const float* p, int64_t i0, int64_t end, bool vectorized,
+                                         float (&x)[kRowsPerThread]) {
+  if (vectorized && i0 + kRowsPerThread <= end) {
+    const float4 v = *reinterpret_cast<const float4*>(p + i0);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    return;
+  }
+  for (int r = 0; r < kRowsPerThread; ++r) x[r] = i0 + r < end ? p[i0 + r] : 0.0f;
+}
+
+// One block per (b, n).
+__global__ void FinalizeForwardKernel(FinalizeArgs args, bool vectorized) {
   const RowGeometry& g = args.geometry;
   const int32_t bn = blockIdx.x;  // b * N + n
   const int32_t b = bn / g.heads;
   const int32_t n = bn % g.heads;
   const int64_t base = static_cast<int64_t>(bn) * g.q_len;
   const float sink = args.sink ? args.sink[n] : -INFINITY;
+  // Stats already in lse (no Sum_exp): read when a probe or the sink needs them.
+  const bool read_stats = args.lse && !args.sum_exp;
   float acc = -INFINITY;
-  for (int64_t i = threadIdx.x; i < g.q_len; i += blockDim.x) {
-    const int64_t idx = base + i;
-    const float m = args.row_max ? args.row_max[idx] : 0.0f;
-    bool visible = RowVisible(g, b, i);
-    if (visible && args.masked_below < 0.0f) {
-      // NaN compares false: a NaN row stays visible and propagates.
-      visible = !((args.row_max ? m : args.lse[idx]) < args.masked_below);
-    }
-    if (visible) {
-      if (args.lse || args.row_scale) {
-        float lse = args.sum_exp ? m + logf(args.sum_exp[idx]) : args.lse[idx];
-        if (args.row_scale) {
-          const float with_sink = LogAddExp(lse, sink);
-          args.row_scale[idx] = expf(lse - with_sink);
-          lse = with_sink;
-        }
-        if (args.lse) args.lse[idx] = lse;
+  for (int64_t i0 = threadIdx.x * static_cast<int64_t>(kRowsPerThread); i0 < g.q_len;
+       i0 += static_cast<int64_t>(blockDim.x) * kRowsPerThread) {
+    float m[kRowsPerThread] = {}, sum_exp[kRowsPerThread] = {}, stats[kRowsPerThread] = {};
+    if (args.row_max) LoadRows(args.row_max + base, i0, g.q_len, vectorized, m);
+    if (args.sum_exp) LoadRows(args.sum_exp + base, i0, g.q_len, vectorized, sum_exp);
+    if (read_stats) LoadRows(args.lse + base, i0, g.q_len, vectorized, stats);
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const int64_t i = i0 + r;
+      if (i >= g.q_len) break;
+      const int64_t idx = base + i;
+      bool visible = RowVisible(g, b, i);
+      if (visible && args.masked_below < 0.0f) {
+        // NaN compares false: a NaN row stays visible and propagates.
+        visible = !((args.row_max ? m[r] : stats[r]) < args.masked_below);
       }
-      if (args.max_logit) acc = NanMax(acc, m);
-    } else {
-      if (args.lse) args.lse[idx] = sink;
-      if (args.row_scale) args.row_scale[idx] = 0.0f;
-      if (args.out) {
-        uint16_t* row = static_cast<uint16_t*>(args.out) +
-                        ((static_cast<int64_t>(b) * g.q_len + i) * g.heads + n) * args.head_dim_v;
-        for (int32_t h = 0; h < args.head_dim_v; ++h) row[h] = 0;
+      if (visible) {
+        if ((args.sum_exp && args.lse) || args.row_scale) {
+          float lse = args.sum_exp ? m[r] + logf(sum_exp[r]) : stats[r];
+          if (args.row_scale) {
+            const float with_sink = LogAddExp(lse, sink);
+            args.row_scale[idx] = expf(lse - with_sink);
+            lse = with_sink;
+          }
+          if (args.lse) args.lse[idx] = lse;
+        }
+        if (args.max_logit) acc = NanMax(acc, m[r]);
+      } else {
+        if (args.lse) args.lse[idx] = sink;
+        if (args.row_scale) args.row_scale[idx] = 0.0f;
+        if (args.out) {
+          uint16_t* row = static_cast<uint16_t*>(args.out) +
+                          ((static_cast<int64_t>(b) * g.q_len + i) * g.heads + n) * args.head_dim_v;
+          for (int32_t h = 0; h < args.head_dim_v; ++h) row[h] = 0;
+        }
       }
     }
   }
@@ -228,7 +254,14 @@ bool RowGeometry::MayHaveEmptyRows() const {
 cudaError_t LaunchFinalizeForward(const FinalizeArgs& args, cudaStream_t stream) {
   const int blocks = args.geometry.batch * args.geometry.heads;
   if (blocks == 0) return cudaSuccess;
-  FinalizeForwardKernel<<<blocks, kThreads, 0, stream>>>(args);
+  const int64_t q_len = args.geometry.q_len;
+  auto aligned = [](const float* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool vectorized =
+      q_len % kRowsPerThread == 0 && aligned(args.row_max) && aligned(args.sum_exp) && aligned(args.lse);
+  // Enough threads for one step over the rows, in whole warps, at most 1024.
+  const int64_t wanted = (q_len + kRowsPerThread - 1) / kRowsPerThread;
+  const int threads = static_cast<int>(wanted >= 1024 ? 1024 : (wanted + 31) / 32 * 32);
+  FinalizeForwardKernel<<<blocks, threads, 0, stream>>>(args, vectorized);
   return cudaGetLastError();
 }
 

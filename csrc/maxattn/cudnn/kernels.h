@@ -30,7 +30,7 @@ struct RowGeometry {
 struct FinalizeArgs {
   RowGeometry geometry;
   const float* row_max = nullptr;  // [B, N, T] cuDNN Max, or null
-  const float* sum_exp = nullptr;  // [B, N, T] cuDNN Sum_exp, or null (lse already holds Stats)
+  const float* sum_exp = nullptr;  // [B, N, T] cuDNN Sum_exp, or null (lse, if any, already holds Stats)
   float* lse = nullptr;            // [B, N, T]: written from Max/Sum_exp, or fixed for empty rows; or null
   float* max_logit = nullptr;      // [B, N]: max over visible rows of row_max; or null
   void* out = nullptr;             // [B, T, N, Hv] 2-byte elements: empty rows zeroed; or null
