@@ -37,16 +37,20 @@ __device__ __forceinline__ float LogAddExp(float a, float b) {
   return hi + log1pf(expf(lo - hi));
 }
 
-// Block-wide reduction of one float per thread; the result is valid in thread 0.
+// Block-wide reduction of one float per thread (blockDim.x a multiple of 32);
+// the result is valid in thread 0. Two shuffle rounds: within each warp, then
+// across the warps' partials in warp 0 (lanes past the last warp hold
+// `identity`).
 template <typename Op>
-__device__ float BlockReduce(float value, Op op) {
+__device__ float BlockReduce(float value, Op op, float identity) {
   for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_down_sync(0xffffffffu, value, offset));
   __shared__ float partial[32];  // one per warp, up to 1024 threads
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   if (lane == 0) partial[warp] = value;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) value = op(value, partial[w]);
+  if (warp == 0) {
+    value = lane < warps ? partial[lane] : identity;
+    for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_down_sync(0xffffffffu, value, offset));
   }
   return value;
 }
@@ -115,7 +119,7 @@ __global__ void FinalizeForwardKernel(FinalizeArgs args, bool vectorized) {
     }
   }
   if (!args.max_logit) return;
-  acc = BlockReduce(acc, [](float x, float y) { return NanMax(x, y); });
+  acc = BlockReduce(acc, [](float x, float y) { return NanMax(x, y); }, -INFINITY);
   if (threadIdx.x == 0) args.max_logit[bn] = acc;
 }
 
@@ -198,7 +202,7 @@ __global__ void SumRowsKernel(const float* terms, float* dsink, int32_t q_len) {
   const int64_t base = static_cast<int64_t>(blockIdx.x) * q_len;
   float acc = 0.0f;
   for (int64_t t = threadIdx.x; t < q_len; t += blockDim.x) acc += terms[base + t];
-  acc = BlockReduce(acc, [](float x, float y) { return x + y; });
+  acc = BlockReduce(acc, [](float x, float y) { return x + y; }, 0.0f);
   if (threadIdx.x == 0) dsink[blockIdx.x] = acc;
 }
 
