@@ -120,8 +120,12 @@ def dot_product_attention(
         query head n uses kv head n // (N // K)).
       value: [B, S, K, Hv], same dtype.
       bias: additive bias applied after scaling, broadcastable to [B, N, T, S].
-        Differentiable.
-      mask: boolean, broadcastable to [B, N, T, S]; True means attend.
+        Differentiable. The "cudnn" backend consumes it in the input dtype
+        (bf16/fp16), as cuDNN does; pass it in that dtype to get exactly the
+        logits (and max_logit) it computes.
+      mask: boolean, broadcastable to [B, N, T, S]; True means attend. The
+        "cudnn" backend folds it (and segment ids) into a [B', N', T, S]
+        bias, so it costs O(T * S) memory and bandwidth there.
       scale: logit scale; default 1/sqrt(H).
       is_causal: causal mask.
       causal_alignment: "top_left" (key j visible to query i iff j <= i) or
@@ -137,17 +141,20 @@ def dot_product_attention(
       logits_soft_cap: c > 0: logits -> c * tanh(logits / c) before softmax.
       dropout_rate: attention dropout in [0, 1) (ValueError otherwise). Acts on
         the normalised probabilities: p' = p * keep / (1 - rate), out = p' @ v;
-        lse and max_logit are unaffected. keep(b, n, i, j) is a counter-based
-        Philox4x32-10 hash of (dropout_rng, b, n, i, j) (csrc/maxattn/dropout.h,
-        identical in every backend and in the "xla" reference), so a key gives
+        lse and max_logit are unaffected. On "cpu" and "xla", keep(b, n, i, j)
+        is a counter-based Philox4x32-10 hash of (dropout_rng, b, n, i, j)
+        (csrc/maxattn/dropout.h, identical in both), so a key gives
         reproducible results and the backward reuses the forward's mask.
+        "cudnn" uses cuDNN's own Philox dropout seeded from the same key: also
+        reproducible and shared by forward and backward, but a different mask.
         0.0 is bit-identical to no dropout (dropout_rng is then ignored).
         Under ``jit`` with sharded batch/heads each shard draws its part of the
-        same global mask. Under ``vmap`` with an unbatched key the "cpu" backend
-        folds the mapped axes into the batch, so every mapped instance gets an
-        independent mask; the "xla" backend (plain JAX vmap semantics) gives
+        same global mask ("cudnn": an independent mask per shard, reproducible
+        for a key and mesh). Under ``vmap`` with an unbatched key the "cpu" backend
+        and "cudnn" backends fold the mapped axes into the batch, so every mapped
+        instance gets an independent mask; the "xla" backend (plain JAX vmap semantics) gives
         every instance the same mask. With a batched (vmapped) key each instance
-        uses its own key (the "cpu" backend then runs the instances one after
+        uses its own key (the fused backends then run the instances one after
         another with ``lax.map``). Not supported with ``context_parallel``.
       dropout_rng: a JAX PRNG key (``jax.random.key`` or a raw uint32[2]
         ``PRNGKey``); required when ``dropout_rate > 0``.
