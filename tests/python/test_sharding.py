@@ -27,14 +27,15 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import maxattn
-from helpers import assert_close, assert_max_logit_close, loss_and_grads, reference64
+from helpers import assert_close, assert_max_logit_close, loss_and_grads, reference64, x64
 
 NDEV = 8
 HAVE_DEVICES = jax.device_count() >= NDEV
 needs8 = pytest.mark.skipif(not HAVE_DEVICES, reason="needs 8 devices (see test_in_subprocess)")
 
 try:
-    from maxattn import _maxattn_cpu  # noqa: F401
+    from maxattn import _maxattn_cpu
+    del _maxattn_cpu
     HAVE_CPU_EXT = True
 except ImportError:
     HAVE_CPU_EXT = False
@@ -391,3 +392,239 @@ def test_nan_on_one_cp_shard_reaches_max_logit(impl, strategy):
 
     mx = np.asarray(f(*(jax.device_put(x, spec) for x in (q, k, v))))
     assert np.isnan(mx[2]) and np.isfinite(np.delete(mx, 2)).all(), mx
+
+
+# ----------------------------------------------------------------------------
+# Attention sinks and dropout under context parallelism.
+
+
+def _cp_arrays(mesh, lb, seq_arrays, lse_arrays=(), seq="cp"):
+    """Puts [B, T, heads, d] arrays (sequence sharded over cp, heads over tp when divisible) and
+    [B, N, T] arrays on the mesh, reordered for load balancing when lb."""
+    cp, tp = mesh.shape["cp"], mesh.shape["tp"]
+    R = (lambda x, a=1: maxattn.reorder_for_load_balancing(x, cp, a)) if lb else (lambda x, a=1: x)
+    put = [_put(mesh, R(x), P("dp", seq, "tp" if x.shape[2] % tp == 0 else None, None)) for x in seq_arrays]
+    return put + [_put(mesh, R(x, 2), P("dp", "tp", seq)) for x in lse_arrays]
+
+
+def _natural(mesh, lb, x, axis=1):
+    return maxattn.inverse_reorder_for_load_balancing(x, mesh.shape["cp"], axis) if lb else x
+
+
+def _sink_loss(call, kw):
+    """<out, ct_out> + <lse, ct_lse> and its grads w.r.t. q, k, v and the sink logits."""
+    def f(q, k, v, sink, ct_out, ct_lse):
+        kk = dict(kw)
+        if kk.get("softmax_type") == "learnable":
+            kk["sink_logits"] = sink
+        out, aux = call(q, k, v, return_lse=True, return_max_logit=True, **kk)
+        return jnp.sum(out * ct_out) + jnp.sum(aux["lse"] * ct_lse), (out, aux)
+    return jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True)
+
+
+# (dp, cp, tp), strategy, load_balanced, softmax_type, extra masking. Learnable sinks under both
+# strategies with and without load balancing (the fast causal paths); off_by_one on the
+# chunk-pair paths (lengths with an empty kv row: lse = sink, out 0; segment ids).
+SINK_CASES = [
+    ((2, 4, 1), "ring", False, "learnable", None),
+    ((1, 4, 2), "ring", True, "learnable", None),
+    ((2, 2, 2), "all_gather", False, "learnable", None),
+    ((2, 4, 1), "all_gather", True, "learnable", "lengths"),
+    ((2, 2, 2), "ring", True, "off_by_one", "lengths"),
+    ((1, 4, 2), "all_gather", False, "off_by_one", "segments"),
+]
+
+
+@needs8
+@pytest.mark.parametrize("mesh_shape,strategy,lb,softmax,extra", SINK_CASES,
+                         ids=[f"{s}{'-lb' if lb else ''}-{t}{'-' + e if e else ''}"
+                              for _, s, lb, t, e in SINK_CASES])
+def test_sinks_under_cp_match_unsharded(impl, mesh_shape, strategy, lb, softmax, extra):
+    """Blocks run the vanilla softmax, the sink joins each row after the merge: out, lse,
+    max_logit and the q/k/v/sink gradients equal the unsharded fused call."""
+    mesh = _mesh(*mesh_shape)
+    q, k, v, ct_out, ct_lse = _inputs(40 + 3 * mesh_shape[1] + lb, 2)
+    rng = np.random.default_rng(41)
+    sink = (rng.standard_normal(N) * 1.5).astype(np.float32)
+    sink[1] = 12.0  # dominates its rows (lse ~ 4 without it)
+    kw = dict(is_causal=True, softmax_type=softmax)
+    if extra == "lengths":
+        kvlen = rng.integers(T // 2, T + 1, size=B).astype(np.int32)
+        kvlen[1] = 0  # every query row of batch row 1 sees no key: lse = sink, out 0
+        kw.update(query_seq_lengths=rng.integers(1, T + 1, size=B).astype(np.int32),
+                  key_value_seq_lengths=kvlen)
+    if extra == "segments":
+        seg = np.sort(rng.integers(1, 4, size=(B, T)), axis=1).astype(np.int32)
+        seg[:, -3:] = 0
+        kw.update(is_causal=False, q_segment_ids=seg, kv_segment_ids=seg)
+    call = lambda *a, **kk: maxattn.dot_product_attention(*a, implementation=impl, **kk)
+    (rgrads, (rout, raux)) = _sink_loss(call, kw)(q, k, v, sink, ct_out, ct_lse)
+
+    cp_kw = dict(kw)
+    for name in ("q_segment_ids", "kv_segment_ids"):
+        if name in cp_kw:
+            r = maxattn.reorder_for_load_balancing(cp_kw[name], mesh.shape["cp"], 1) if lb else cp_kw[name]
+            cp_kw[name] = _put(mesh, r, P("dp", "cp"))
+    cp_call = lambda *a, **kk: maxattn.dot_product_attention(
+        *a, implementation=impl, context_parallel=strategy, context_parallel_axis="cp", load_balanced=lb, **kk)
+    qs, ks, vs, cos, cls = _cp_arrays(mesh, lb, (q, k, v, ct_out), (ct_lse,))
+    sink_s = _put(mesh, sink, P("tp"))
+    grads, (out, aux) = jax.jit(_sink_loss(cp_call, cp_kw))(qs, ks, vs, sink_s, cos, cls)
+
+    assert_close(_natural(mesh, lb, out), rout, TOL, "out")
+    assert_close(_natural(mesh, lb, aux["lse"], 2), raux["lse"], TOL, "lse")
+    assert_max_logit_close(np.asarray(aux["max_logit"], np.float64), np.asarray(raux["max_logit"], np.float64), TOL)
+    for name, g, rg in zip(("dq", "dk", "dv"), grads[:3], rgrads[:3]):
+        assert_close(_natural(mesh, lb, g), rg, TOL, name)
+    if softmax == "learnable":
+        assert_close(grads[3], rgrads[3], TOL, "dsink")
+    if extra == "lengths":
+        lse1 = np.asarray(_natural(mesh, lb, aux["lse"], 2))[1]
+        np.testing.assert_allclose(lse1, np.broadcast_to((sink if softmax == "learnable" else np.zeros(N))[:, None],
+                                                         lse1.shape), rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(_natural(mesh, lb, out))[1], 0.0)
+
+
+DROP_RATE = 0.3
+
+
+def _dropout_oracle64(q, k, v, keep, sink, causal):
+    """out, lse in float64 with an explicit keep mask [B, N, T, S] (and an optional sink)."""
+    G = q.shape[2] // k.shape[2]
+    s = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, G, axis=2)) / np.sqrt(q.shape[3])
+    if causal:
+        s = jnp.where(np.tril(np.ones((s.shape[2], s.shape[3]), bool)), s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    if sink is not None:
+        lse = jnp.logaddexp(lse, sink[None, :, None])
+    p = jnp.exp(s - lse[..., None])
+    p = jnp.where(keep, p / (1.0 - np.float64(np.float32(DROP_RATE))), 0.0)
+    return jnp.einsum("bnts,bsnd->btnd", p, jnp.repeat(v, G, axis=2)), lse
+
+
+# (dp, cp, tp), strategy, load_balanced, causal, learnable sink.
+DROPOUT_CASES = [
+    ((2, 4, 1), "ring", False, False, False),
+    ((2, 4, 1), "ring", True, True, True),
+    ((1, 4, 2), "all_gather", True, True, False),
+]
+
+
+@needs8
+@pytest.mark.parametrize("mesh_shape,strategy,lb,causal,with_sink", DROPOUT_CASES,
+                         ids=[f"{s}{'-lb' if lb else ''}{'-causal' if c else ''}{'-sink' if w else ''}"
+                              for _, s, lb, c, w in DROPOUT_CASES])
+def test_dropout_under_cp_matches_its_own_mask(impl, mesh_shape, strategy, lb, causal, with_sink):
+    """The mask is read back through identity value columns (q = 0: uniform probabilities),
+    then out, lse and the q/k/v(/sink) gradients of a random call with the same key and mesh
+    equal a float64 oracle applying that mask: forward and backward use the same mask. The
+    mask keeps ~(1 - rate) and differs between (query chunk, key chunk) blocks."""
+    mesh = _mesh(*mesh_shape)
+    Bd, Td, Nd, Kd = 2, 32, 2, 2
+    rng = np.random.default_rng(50 + lb)
+    q = rng.standard_normal((Bd, Td, Nd, 8)).astype(np.float32)
+    k = rng.standard_normal((Bd, Td, Kd, 8)).astype(np.float32)
+    v = rng.standard_normal((Bd, Td, Kd, Td)).astype(np.float32)
+    ct_out = rng.standard_normal((Bd, Td, Nd, Td)).astype(np.float32)
+    ct_lse = rng.standard_normal((Bd, Nd, Td)).astype(np.float32)
+    sink = np.asarray([0.5, -1.0], np.float32)
+    kw = dict(is_causal=causal, dropout_rate=DROP_RATE, dropout_rng=jax.random.key(7))
+    if with_sink:
+        kw["softmax_type"] = "learnable"
+    cp_call = lambda *a, **kk: maxattn.dot_product_attention(
+        *a, implementation=impl, context_parallel=strategy, context_parallel_axis="cp", load_balanced=lb, **kk)
+    sink_s = _put(mesh, sink, P("tp"))
+
+    # 1. The mask: q = 0 and v = one-hot key positions give out[b, i, n, j] = keep * scale * p_i.
+    eye = np.broadcast_to(np.eye(Td, dtype=np.float32)[None, :, None, :], (Bd, Td, Kd, Td))
+    q0, k0, v0 = _cp_arrays(mesh, lb, (np.zeros_like(q), k, eye))
+    kk = dict(kw, sink_logits=sink_s) if with_sink else kw
+    probe = np.asarray(_natural(mesh, lb, jax.jit(lambda q, k, v: cp_call(q, k, v, **kk))(q0, k0, v0)))
+    cnt = (np.arange(Td) + 1.0) if causal else np.full(Td, float(Td))
+    denom = cnt[None, :, None] + (np.exp(sink)[None, None, :] if with_sink else 0.0)  # [1, T, N]
+    p_kept = np.float32(1 / (1 - np.float32(DROP_RATE))) / denom
+    keep = np.transpose(probe > 0.5 * p_kept[..., None], (0, 2, 1, 3))  # [B, N, T, S]
+    vis = np.tril(np.ones((Td, Td), bool)) if causal else np.ones((Td, Td), bool)
+    np.testing.assert_allclose(probe, np.where(np.transpose(keep, (0, 2, 1, 3)), p_kept[..., None], 0.0),
+                               rtol=1e-5, atol=1e-7)
+    assert not keep[..., ~vis].any()
+    frac, m = keep[..., vis].mean(), keep[..., vis].size
+    assert abs(frac - (1 - DROP_RATE)) <= 5 * np.sqrt(DROP_RATE * (1 - DROP_RATE) / m), frac
+    c = Td // (2 * mesh.shape["cp"])  # blocks of the finest chunking: never copies of each other
+    blocks = [keep[:, :, a * c:(a + 1) * c, b * c:(b + 1) * c] for a in range(Td // c) for b in range(Td // c)
+              if vis[a * c, (b + 1) * c - 1]]
+    for i in range(len(blocks)):
+        for j in range(i):
+            assert (blocks[i] != blocks[j]).mean() > 0.2, (i, j)
+
+    # 2. A random call with the same key and mesh vs the float64 oracle with that mask.
+    def loss(call, q, k, v, sink, ct_out, ct_lse, **extra):
+        def f(q, k, v, sink):
+            e = dict(extra, sink_logits=sink) if with_sink else extra
+            out, aux = call(q, k, v, return_lse=True, **e)
+            return jnp.sum(out * ct_out) + jnp.sum(aux["lse"] * ct_lse), (out, aux["lse"])
+        return jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sink)
+
+    qs, ks, vs, cos, cls = _cp_arrays(mesh, lb, (q, k, v, ct_out), (ct_lse,))
+    grads, (out, lse) = jax.jit(lambda *a: loss(cp_call, *a, **kw))(qs, ks, vs, sink_s, cos, cls)
+    def call64(q, k, v, return_lse, sink_logits=None):
+        out, lse = _dropout_oracle64(q, k, v, keep, sink_logits, causal)
+        return out, {"lse": lse}
+
+    with x64():
+        args = [jnp.asarray(x, jnp.float64) for x in (q, k, v, sink, ct_out, ct_lse)]
+        rgrads, (rout, rlse) = jax.tree.map(np.asarray, loss(call64, *args))
+    assert_close(_natural(mesh, lb, out), rout, TOL, "out")
+    assert_close(_natural(mesh, lb, lse, 2), rlse, TOL, "lse")
+    for name, g, rg in zip(("dq", "dk", "dv"), grads[:3], rgrads[:3]):
+        assert_close(_natural(mesh, lb, g), rg, TOL, name)
+    if with_sink:
+        assert_close(grads[3], rgrads[3], TOL, "dsink")
+
+
+@needs8
+def test_dropout_under_ring_cp_keys(impl):
+    """Ring CP with dropout: same key -> identical, another key -> different; the mean over
+    64 keys converges to the no-dropout output; rate 0 is bit-identical to no dropout."""
+    mesh = _mesh(2, 4, 1)
+    q, k, v, _, _ = _inputs(60, 2)
+    q, k, v = q[:2], k[:2], v[:2]
+    args = _cp_arrays(mesh, True, (q, k, v))
+    f = jax.jit(lambda q, k, v, key, rate: maxattn.dot_product_attention(
+        q, k, v, is_causal=True, implementation=impl, context_parallel="ring", context_parallel_axis="cp",
+        load_balanced=True, dropout_rate=rate, dropout_rng=key), static_argnums=4)
+    plain = jax.jit(lambda q, k, v: maxattn.dot_product_attention(
+        q, k, v, is_causal=True, implementation=impl, context_parallel="ring", context_parallel_axis="cp",
+        load_balanced=True))
+    ref = np.asarray(plain(*args), np.float64)
+    keys = jax.random.split(jax.random.key(8), 64)
+    outs = np.stack([np.asarray(f(*args, key, 0.4), np.float64) for key in keys])
+    np.testing.assert_array_equal(np.asarray(f(*args, keys[0], 0.4)), outs[0])
+    assert np.abs(outs[0] - outs[1]).max() > 1e-3
+    err2 = np.sum((outs.mean(0) - ref) ** 2)
+    expected2 = np.sum(outs.var(0, ddof=1)) / len(keys)  # E ||mean - ref||^2 of an unbiased estimator
+    assert err2 <= 2.0 * expected2, (err2, expected2)
+    np.testing.assert_array_equal(np.asarray(f(*args, keys[0], 0.0)), ref)
+
+
+@needs8
+def test_all_gather_causal_falls_back_to_chunk_pairs(impl, monkeypatch):
+    """The fast all-gather causal calls are bottom-right causal with kv lengths, which cuDNN
+    refuses together with dropout or segment ids: when the backend refuses them, CP runs the
+    chunk-pair path instead, with the same results."""
+    from maxattn._src import cpu
+    real, refused = cpu.unsupported_reason, []
+
+    def reason(config, ops):
+        if config.bottom_right and config.has_kv_seq_lengths:
+            refused.append(config)
+            return "refused for the test"
+        return real(config, ops)
+
+    mesh = _mesh(2, 4, 1)
+    q, k, v, ct_out, ct_lse = _inputs(70, 2)
+    kw = dict(is_causal=True)
+    monkeypatch.setattr(cpu, "unsupported_reason", reason)
+    res, _, _ = _run_sharded(impl, mesh, q, k, v, ct_out, ct_lse, strategy="all_gather", lb=False, kw=kw)
+    assert refused  # so the chunk pairs ran
+    _check(res, reference64(q, k, v, None, ct_out, ct_lse, **kw))

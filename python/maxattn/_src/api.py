@@ -155,7 +155,10 @@ def dot_product_attention(
         instance gets an independent mask; the "xla" backend (plain JAX vmap semantics) gives
         every instance the same mask. With a batched (vmapped) key each instance
         uses its own key (the fused backends then run the instances one after
-        another with ``lax.map``). Not supported with ``context_parallel``.
+        another with ``lax.map``). Under ``context_parallel`` every (query
+        block, key block) kernel call draws an independent mask (the key mixed
+        with the block's position): reproducible for a key, mesh and CP
+        configuration, but not the unsharded call's mask.
       dropout_rng: a JAX PRNG key (``jax.random.key`` or a raw uint32[2]
         ``PRNGKey``); required when ``dropout_rate > 0``.
       softmax_type: "vanilla"; "off_by_one" (adds 1 = exp(0) to every softmax
@@ -163,7 +166,8 @@ def dot_product_attention(
         attention sinks). The sink logit is neither scaled nor soft-capped.
         ``aux["lse"]`` includes the sink term, ``aux["max_logit"]`` excludes it.
         A row with no visible key has output 0 and lse = the sink logit
-        (finite; 0 for off_by_one). Not supported with ``context_parallel``.
+        (finite; 0 for off_by_one). Under ``context_parallel`` the sink is
+        applied once per query row after the blocks are merged (same results).
       sink_logits: float32 [N], one sink logit per query head; required iff
         ``softmax_type="learnable"``. Differentiable.
       implementation: None (auto: the platform's fused backend when it can run
@@ -177,9 +181,10 @@ def dot_product_attention(
         under ``jit``. "all_gather" gathers K/V over that axis (and
         reduce-scatters dK/dV); "ring" rotates K/V blocks with ppermute and
         merges partial results through the lse. Supports no mask or causal
-        (top-left, T == S), padding lengths and segment ids; not bias, mask,
-        local window or bottom-right alignment (ValueError). query/key/value
-        should be sharded over the axis on their sequence dimension.
+        (top-left, T == S), padding lengths, segment ids, dropout and sinks;
+        not bias, mask, local window or bottom-right alignment (ValueError).
+        query/key/value should be sharded over the axis on their sequence
+        dimension.
       context_parallel_axis: the mesh axis name that shards the sequence.
       load_balanced: the sequence of query/key/value (and segment ids) was
         permuted with ``maxattn.reorder_for_load_balancing(x, cp_size, axis=1)``
@@ -215,9 +220,6 @@ def dot_product_attention(
     backend = _choose_backend(implementation, config, ops)
     cp = cp_lib.make_spec(context_parallel, context_parallel_axis, load_balanced)
     if cp is not None:
-        if config.has_dropout or config.has_sink:
-            what = "dropout" if config.has_dropout else f"softmax_type={config.softmax_type!r}"
-            raise ValueError(f"`context_parallel` does not support {what} yet")
         cp_lib.check_supported(cp, config, ops)
 
     if backend is None and cp is None:

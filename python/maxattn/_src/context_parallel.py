@@ -19,12 +19,32 @@ pairs: a key chunk before the query chunk is fully visible (non-causal call),
 the same chunk uses the causal kernel, a later chunk is skipped (it
 contributes lse -inf / max_logit -inf and zero gradients). Padding lengths and
 segment ids are supported by both strategies (lengths are shifted per chunk;
-kv segment ids travel with K/V). Not supported: bias, boolean mask, sliding
-window, bottom-right causal alignment (ValueError at trace time).
+kv segment ids travel with K/V), and so are dropout and attention sinks
+(below). Not supported: bias, boolean mask, sliding window, bottom-right
+causal alignment (ValueError at trace time).
 
 The backward of every block uses the *global* lse and output of its query
 rows (flash-attention backward), so the per-block gradients sum to the exact
 gradient.
+
+Attention sinks (softmax_type "off_by_one" / "learnable"): every block runs
+the vanilla softmax; after the lse merge the sink joins each query row once:
+lse' = logaddexp(lse, sink[n]), out' = out * exp(lse - lse') (a row with no
+visible key gets lse' = sink[n] and output 0); max_logit excludes the sink
+anyway. The backward blocks are again vanilla: with the final (out', lse')
+their probabilities exp(s - lse') are the sink-softmax ones, so dq/dk/dv are
+exact; dsink[b, n] = -sum_i exp(sink[n] - lse'_i) * (<dout_i, out'_i> - dlse_i)
+is computed from the local rows and psum-ed over the cp axis (then, like
+without CP, it is per batch row and the caller sums over the batch).
+
+Dropout: every block call gets its own Philox key, the given key with words
+0 and 1 xor-ed with bijective hashes of tags of the call's query and key
+blocks (global chunk index, or "whole local block of rank r", or "whole
+gathered sequence"); forward and backward derive the same key for a block.
+So the masks under CP are independent per block and reproducible for a key,
+mesh and CP configuration (strategy, load balancing, masking), but they are
+not the unsharded call's mask (the kernels index the mask by the call's
+local positions), and the "cpu"/"xla" masks still agree with each other.
 """
 
 from __future__ import annotations
@@ -102,6 +122,78 @@ def check_sizes(cp: ContextParallel, cp_size: int, T: int, S: int) -> None:
 
 
 # ----------------------------------------------------------------------------
+# Sinks and dropout: what the block calls see.
+
+
+def _block_config(config: AttentionConfig) -> AttentionConfig:
+    """The config of every block call: the vanilla softmax (the sink is applied after the merge)."""
+    if config.softmax_type == "vanilla":
+        return config
+    return dataclasses.replace(config, softmax_type="vanilla")
+
+
+# Dropout tags of a block call's query / key ranges (all < 2^32, distinct kinds):
+# a global chunk index c -> c; the whole local block of rank r -> _WHOLE + r;
+# the whole gathered key sequence -> _GATHERED.
+_WHOLE = 1 << 20
+_GATHERED = 1 << 21
+
+
+def _fmix32(h):
+    """MurmurHash3's 32-bit finaliser (a bijection of uint32)."""
+    u = jnp.uint32
+    h = h ^ (h >> u(16))
+    h = h * u(0x85EBCA6B)
+    h = h ^ (h >> u(13))
+    h = h * u(0xC2B2AE35)
+    return h ^ (h >> u(16))
+
+
+def _block_seed(seed, q_tag, kv_tag):
+    """The dropout seed of one block call: key words 0 / 1 xor-ed with bijective hashes of
+    the query / key tags, so distinct (query, key) blocks get distinct Philox keys.
+    Words 2, 3 (the batch / head offsets of the shard) are kept. None without dropout."""
+    if seed is None:
+        return None
+    u = jnp.uint32
+    qt = jnp.asarray(q_tag).astype(u)
+    kt = jnp.asarray(kv_tag).astype(u)
+    w0 = seed[0] ^ _fmix32(qt * u(0x9E3779B1) + u(0x7F4A7C15))
+    w1 = seed[1] ^ _fmix32(kt * u(0x85EBCA77) + u(0x165667B1))
+    return jnp.stack([w0, w1, seed[2], seed[3]]).astype(u)
+
+
+def _q_tag(piece, rank):
+    return _WHOLE + rank if piece.chunk is None else piece.chunk
+
+
+def _kv_tag(piece, src):
+    if piece.chunk is not None:
+        return piece.chunk
+    return _GATHERED if src is None else _WHOLE + src
+
+
+def _apply_sink(out, lse, sink):
+    """Adds the sink to the merged vanilla (out f32 [B,t,N,Hv], lse [B,N,t]) of every row."""
+    s = sink.astype(jnp.float32)[None, :, None]
+    lse_f = jnp.logaddexp(lse, s)
+    dead = jnp.isneginf(lse_f)  # only with a -inf sink and no visible key
+    w = jnp.where(dead, 0.0, jnp.exp(lse - jnp.where(dead, 0.0, lse_f)))
+    return out.astype(jnp.float32) * jnp.transpose(w, (0, 2, 1))[..., None], lse_f
+
+
+def _sink_grad(sink, out, lse, dout, dlse):
+    """Per batch row dsink [B, N] of the local query rows (from the final out and lse)."""
+    f32 = jnp.float32
+    dd = jnp.transpose(jnp.sum(dout.astype(f32) * out.astype(f32), axis=-1), (0, 2, 1))
+    if dlse is not None:
+        dd = dd - dlse.astype(f32)
+    live = ~jnp.isneginf(lse)
+    p = jnp.where(live, jnp.exp(sink.astype(f32)[None, :, None] - jnp.where(live, lse, 0.0)), 0.0)
+    return -jnp.sum(jnp.where(live, p * dd, 0.0), axis=2)
+
+
+# ----------------------------------------------------------------------------
 # Pieces of the local sequence.
 
 
@@ -146,11 +238,11 @@ def _needs_split(config: AttentionConfig, cp: ContextParallel, has_len: bool) ->
     return config.is_causal or (cp.load_balanced and has_len)
 
 
-def _pair_ops(ops: Operands, qp: _Piece, kvp: _Piece, k, v, kvseg) -> Operands:
+def _pair_ops(ops: Operands, qp: _Piece, kvp: _Piece, k, v, kvseg, seed=None) -> Operands:
     return Operands(
         _seq_slice(ops.query, qp, 1), _seq_slice(k, kvp, 1), _seq_slice(v, kvp, 1), None, None,
         _local_lengths(ops.q_seq_lengths, qp), _local_lengths(ops.kv_seq_lengths, kvp),
-        _seq_slice(ops.q_segment_ids, qp, 1), _seq_slice(kvseg, kvp, 1))
+        _seq_slice(ops.q_segment_ids, qp, 1), _seq_slice(kvseg, kvp, 1), None, seed)
 
 
 def _branch_index(qp: _Piece, kvp: _Piece):
@@ -205,7 +297,18 @@ def _pair_forward(impl, config, want_max, pair_ops, qp, kvp):
 
 
 def forward(impl, config: AttentionConfig, cp: ContextParallel, cp_size: int, want_max: bool, ops: Operands):
-    """Per-device CP forward: (out [B,Tl,N,Hv], lse [B,N,Tl], max_logit [B,N] pmax'ed over cp or None)."""
+    """Per-device CP forward: (out [B,Tl,N,Hv], lse [B,N,Tl], max_logit [B,N] pmax'ed over cp or None).
+
+    With a sink, lse includes it (as the kernels' lse does)."""
+    out, lse, mx = _forward_blocks(impl, _block_config(config), cp, cp_size, want_max, ops)
+    if ops.sink_logits is not None:
+        out, lse = _apply_sink(out, lse, ops.sink_logits)
+    return out.astype(ops.query.dtype), lse, mx
+
+
+def _forward_blocks(impl, config: AttentionConfig, cp: ContextParallel, cp_size: int, want_max: bool,
+                    ops: Operands):
+    """The merged vanilla-softmax (out f32 or input dtype, lse, max_logit) of the blocks."""
     axis = cp.axis
     rank = lax.axis_index(axis)
     Tl, Sl = ops.query.shape[1], ops.key.shape[1]
@@ -222,11 +325,12 @@ def forward(impl, config: AttentionConfig, cp: ContextParallel, cp_size: int, wa
             for i, qp in enumerate(qpieces):
                 if qp.chunk is None and not cp.load_balanced:
                     qp.offset = rank * Tl
-                part = _pair_forward(impl, config, want_max, _pair_ops(ops, qp, kvp, k, v, kvseg), qp, kvp)
+                seed = _block_seed(ops.dropout_seed, _q_tag(qp, rank), _kv_tag(kvp, src))
+                part = _pair_forward(impl, config, want_max, _pair_ops(ops, qp, kvp, k, v, kvseg, seed), qp, kvp)
                 acc[i] = _merge(acc[i], part)
 
     k, v, kvseg = ops.key, ops.value, ops.kv_segment_ids
-    if _fast_causal(config):
+    if _fast_causal(impl, config, cp, ops):
         if cp.strategy == "all_gather":
             return _all_gather_causal_forward(impl, config, cp, cp_size, want_max, ops, rank)
         return _ring_causal_forward(impl, config, cp, cp_size, want_max, ops, rank)
@@ -259,7 +363,7 @@ def forward(impl, config: AttentionConfig, cp: ContextParallel, cp_size: int, wa
         for m in mxs[1:]:
             mx = jnp.maximum(mx, m)
         mx = pmax_nan(mx, axis)
-    return out.astype(ops.query.dtype), lse, mx
+    return out, lse, mx
 
 
 # ----------------------------------------------------------------------------
@@ -284,7 +388,19 @@ def _pair_backward(impl, config, pair_ops, out, lse, dout, dlse, qp, kvp):
 
 def backward(impl, config: AttentionConfig, cp: ContextParallel, cp_size: int, ops: Operands,
              out, lse, dout, dlse):
-    """Per-device CP backward: (dq, dk, dv) like the local q, k, v."""
+    """Per-device CP backward: (dq, dk, dv) like the local q, k, v; with a sink also
+    dsink f32 [B, N] (per local batch row, summed over the cp axis).
+
+    out and lse are the final (sink-including) forward results of the local rows."""
+    grads = _backward_blocks(impl, _block_config(config), cp, cp_size, ops, out, lse, dout, dlse)
+    if ops.sink_logits is None:
+        return grads
+    dsink = lax.psum(_sink_grad(ops.sink_logits, out, lse, dout, dlse), cp.axis)
+    return grads + (dsink,)
+
+
+def _backward_blocks(impl, config: AttentionConfig, cp: ContextParallel, cp_size: int, ops: Operands,
+                     out, lse, dout, dlse):
     axis = cp.axis
     rank = lax.axis_index(axis)
     Tl, Sl = ops.query.shape[1], ops.key.shape[1]
@@ -308,7 +424,8 @@ def backward(impl, config: AttentionConfig, cp: ContextParallel, cp_size: int, o
                 kvp.offset = src * Sl
             dk = dv = None
             for i, qp in enumerate(qpieces):
-                pair = _pair_ops(ops, qp, kvp, k, v, kvseg)
+                seed = _block_seed(ops.dropout_seed, _q_tag(qp, rank), _kv_tag(kvp, src))
+                pair = _pair_ops(ops, qp, kvp, k, v, kvseg, seed)
                 g = _pair_backward(
                     impl, config, pair, _seq_slice(out, qp, 1), _seq_slice(lse, qp, 2),
                     _seq_slice(dout, qp, 1), _seq_slice(dlse, qp, 2), qp, kvp)
@@ -320,7 +437,7 @@ def backward(impl, config: AttentionConfig, cp: ContextParallel, cp_size: int, o
         return cat(dks), cat(dvs)
 
     k, v, kvseg = ops.key, ops.value, ops.kv_segment_ids
-    if _fast_causal(config):
+    if _fast_causal(impl, config, cp, ops):
         if cp.strategy == "all_gather":
             return _all_gather_causal_backward(impl, config, cp, cp_size, ops, out, lse, dout, dlse, rank)
         return _ring_causal_backward(impl, config, cp, cp_size, ops, out, lse, dout, dlse, rank)
@@ -376,8 +493,18 @@ def backward(impl, config: AttentionConfig, cp: ContextParallel, cp_size: int, o
 #                  src > rank: only the second query chunk sees, the whole block.
 
 
-def _fast_causal(config: AttentionConfig) -> bool:
-    return config.is_causal and not (config.has_q_seq_lengths or config.has_kv_seq_lengths)
+def _fast_causal(impl, config: AttentionConfig, cp: ContextParallel, ops: Operands) -> bool:
+    if not config.is_causal or config.has_q_seq_lengths or config.has_kv_seq_lengths:
+        return False
+    if cp.strategy == "all_gather":
+        # Its calls are bottom-right causal with kv lengths, which a backend may refuse
+        # (cuDNN: not together with dropout or segment ids): then the chunk-pair path.
+        return impl.unsupported_reason(_ag_config(config), ops) is None
+    return True
+
+
+def _ag_config(config: AttentionConfig) -> AttentionConfig:
+    return dataclasses.replace(config, bottom_right=True, has_kv_seq_lengths=True)
 
 
 def _to_natural(x, cp_size, inverse=False):
@@ -393,13 +520,14 @@ def _to_natural(x, cp_size, inverse=False):
 def _ag_chunk_calls(config, cp, cp_size, ops, rank, kn, vn, sn):
     """(config, pair Operands, q piece) for each local query chunk vs the natural-order K/V."""
     Tl = ops.query.shape[1]
-    cfg = dataclasses.replace(config, bottom_right=True, has_kv_seq_lengths=True)
+    cfg = _ag_config(config)
     B = ops.query.shape[0]
     calls = []
     for qp in _pieces(Tl, rank, cp_size, cp, split=True):
         kvlen = jnp.broadcast_to(jnp.asarray(qp.offset + qp.size, jnp.int32), (B,))
         pair = Operands(_seq_slice(ops.query, qp, 1), kn, vn, None, None, None, kvlen,
-                        _seq_slice(ops.q_segment_ids, qp, 1), sn)
+                        _seq_slice(ops.q_segment_ids, qp, 1), sn, None,
+                        _block_seed(ops.dropout_seed, qp.chunk, _GATHERED))
         calls.append((cfg, pair, qp))
     return calls
 
@@ -466,8 +594,11 @@ def _ring_causal_forward(impl, config, cp, cp_size, want_max, ops, rank):
     Hv = ops.value.shape[3]
     block = (ops.key, ops.value, ops.kv_segment_ids)
 
-    def call(cfg, qq, qs, k, v, ks):
-        return tuple(impl.forward(cfg, Operands(qq, k, v, None, None, None, None, qs, ks), True, want_max))
+    seed = ops.dropout_seed
+
+    def call(cfg, qq, qs, k, v, ks, q_tag, kv_tag):
+        ops_b = Operands(qq, k, v, None, None, None, None, qs, ks, None, _block_seed(seed, q_tag, kv_tag))
+        return tuple(impl.forward(cfg, ops_b, True, want_max))
 
     def skip(t):
         return (jnp.zeros((B, t, N, Hv), q.dtype), jnp.full((B, N, t), -jnp.inf, jnp.float32),
@@ -479,24 +610,26 @@ def _ring_causal_forward(impl, config, cp, cp_size, want_max, ops, rank):
                if step + 1 < cp_size else None)
         k, v, ks = block
         if step == 0:
-            part = call(config, q, qseg, k, v, ks)
+            part = call(config, q, qseg, k, v, ks, _WHOLE + rank, _WHOLE + rank)
         else:
             src = (rank - step) % cp_size
             if not cp.load_balanced:
-                part = lax.cond(src < rank, lambda: call(full_cfg, q, qseg, k, v, ks), lambda: skip(Tl))
+                part = lax.cond(src < rank, lambda: call(full_cfg, q, qseg, k, v, ks, _WHOLE + rank, _WHOLE + src),
+                                lambda: skip(Tl))
             else:
                 def earlier():  # all queries vs the first kv chunk
-                    return call(full_cfg, q, qseg, _half(k, 0), _half(v, 0), _half(ks, 0))
+                    return call(full_cfg, q, qseg, _half(k, 0), _half(v, 0), _half(ks, 0), _WHOLE + rank, src)
 
                 def later():  # the second query chunk vs the whole block
-                    o, l, m = call(full_cfg, _half(q, 1), _half(qseg, 1), k, v, ks)
+                    o, l, m = call(full_cfg, _half(q, 1), _half(qseg, 1), k, v, ks,
+                                   2 * cp_size - 1 - rank, _WHOLE + src)
                     return (_pad_first_half(o, 1, 0), _pad_first_half(l, 2, -jnp.inf), m)
 
                 part = lax.cond(src < rank, earlier, later)
         acc = _merge(acc, part)
         block = nxt
     out, lse, mx = acc
-    return out.astype(q.dtype), lse, (pmax_nan(mx, cp.axis) if want_max else None)
+    return out, lse, (pmax_nan(mx, cp.axis) if want_max else None)
 
 
 def _ring_causal_backward(impl, config, cp, cp_size, ops, out, lse, dout, dlse, rank):
@@ -506,8 +639,11 @@ def _ring_causal_backward(impl, config, cp, cp_size, ops, out, lse, dout, dlse, 
     q, qseg = ops.query, ops.q_segment_ids
     f32 = lambda x: x.astype(jnp.float32)
 
-    def call(cfg, qq, qs, o, l, do, dl, k, v, ks):
-        dq, dk, dv, _ = impl.backward(cfg, Operands(qq, k, v, None, None, None, None, qs, ks), o, l, do, dl)
+    seed = ops.dropout_seed
+
+    def call(cfg, qq, qs, o, l, do, dl, k, v, ks, q_tag, kv_tag):
+        ops_b = Operands(qq, k, v, None, None, None, None, qs, ks, None, _block_seed(seed, q_tag, kv_tag))
+        dq, dk, dv, _ = impl.backward(cfg, ops_b, o, l, do, dl)
         return f32(dq), f32(dk), f32(dv)
 
     block = (ops.key, ops.value, ops.kv_segment_ids)
@@ -516,22 +652,24 @@ def _ring_causal_backward(impl, config, cp, cp_size, ops, out, lse, dout, dlse, 
         nxt = rot(block) if step + 1 < cp_size else None
         k, v, ks = block
         if step == 0:
-            g = call(config, q, qseg, out, lse, dout, dlse, k, v, ks)
+            g = call(config, q, qseg, out, lse, dout, dlse, k, v, ks, _WHOLE + rank, _WHOLE + rank)
         else:
             src = (rank - step) % cp_size
             zeros = lambda: (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
                              jnp.zeros(v.shape, jnp.float32))
             if not cp.load_balanced:
-                g = lax.cond(src < rank, lambda: call(full_cfg, q, qseg, out, lse, dout, dlse, k, v, ks), zeros)
+                g = lax.cond(src < rank, lambda: call(full_cfg, q, qseg, out, lse, dout, dlse, k, v, ks,
+                                                      _WHOLE + rank, _WHOLE + src), zeros)
             else:
                 def earlier():
                     dq_, dk_, dv_ = call(full_cfg, q, qseg, out, lse, dout, dlse, _half(k, 0), _half(v, 0),
-                                         _half(ks, 0))
+                                         _half(ks, 0), _WHOLE + rank, src)
                     return dq_, _pad_second_half(dk_, 1, 0), _pad_second_half(dv_, 1, 0)
 
                 def later():
                     dq_, dk_, dv_ = call(full_cfg, _half(q, 1), _half(qseg, 1), _half(out, 1), _half(lse, 1, 2),
-                                         _half(dout, 1), _half(dlse, 1, 2), k, v, ks)
+                                         _half(dout, 1), _half(dlse, 1, 2), k, v, ks,
+                                         2 * cp_size - 1 - rank, _WHOLE + src)
                     return _pad_first_half(dq_, 1, 0), dk_, dv_
 
                 g = lax.cond(src < rank, earlier, later)

@@ -408,7 +408,9 @@ def _backward_cp(impl, config: AttentionConfig, cp, names: tuple, shapes: tuple,
         ops = _seed_with_offsets(ops, plan)
         ds = None
         if cp is not None and plan.cp_size > 1:
-            dq, dk, dv = context_parallel.backward(impl, config, cp, plan.cp_size, ops, out, lse, dout, dlse)
+            dq, dk, dv, *rest = context_parallel.backward(impl, config, cp, plan.cp_size, ops, out, lse, dout,
+                                                          dlse)
+            ds = rest[0] if rest else None  # per batch row, already summed over the cp axis
             db = None
         else:
             dq, dk, dv, db, *rest = impl.backward(config, ops, out, lse, dout, dlse)
