@@ -8,12 +8,41 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import maxattn
 
 # DESIGN.md §3.
 OUT_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 MAX_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-3, jnp.float16: 1e-3}
+
+
+def has_gpu() -> bool:
+    """True when JAX has a GPU backend."""
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+# Marks of a GPU-only test: selected by `-m gpu`, skipped (not passed) without a GPU.
+GPU_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU (jax has none)")]
+
+
+def bias_and_cotangents(rng: np.random.Generator, B: int, T: int, S: int, N: int, Hv: int,
+                        bias_shape: str | None, dtype) -> tuple:
+    """(bias or None, ct_out [B, T, N, Hv] f32, ct_lse [B, N, T] f32), drawn from `rng` in that order.
+
+    `bias_shape` spells the bias dims from "BNTS" (e.g. "1NTS", "B11S"). The bias is drawn in `dtype`
+    (the activation dtype: the cudnn backend consumes the bias in it; DESIGN §3 compares on the same
+    rounded inputs)."""
+    bias = None
+    if bias_shape:
+        full = dict(B=B, N=N, T=T, S=S)
+        bias = jnp.asarray(rng.standard_normal([full.get(c, 1) for c in bias_shape]), dtype)
+    ct_out = jnp.asarray(rng.standard_normal((B, T, N, Hv)), jnp.float32)
+    ct_lse = jnp.asarray(rng.standard_normal((B, N, T)), jnp.float32)
+    return bias, ct_out, ct_lse
 
 
 def x64():

@@ -12,18 +12,11 @@ import numpy as np
 import pytest
 
 import maxattn
-from helpers import (MAX_TOL, OUT_TOL, assert_close, assert_max_logit_close, loss_and_grads,
-                     random_inputs, reference64)
+from helpers import (GPU_MARKS, bias_and_cotangents, MAX_TOL, OUT_TOL, assert_close, assert_max_logit_close,
+                     loss_and_grads, random_inputs, reference64)
 
 
-def _has_gpu() -> bool:
-    try:
-        return len(jax.devices("gpu")) > 0
-    except RuntimeError:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax has none)")]
+pytestmark = GPU_MARKS
 
 # name: (B, T, S, N, K, H, Hv, dtype, kwargs builder, bias shape or None)
 CASES = {
@@ -57,13 +50,7 @@ def _inputs(name, seed=0):
     q, k, v = random_inputs(seed, B, T, S, N, K, H, Hv, dtype)
     rng = np.random.default_rng(seed + 7)
     kwargs = {key: (jnp.asarray(val, jnp.int32) if "seq_lengths" in key else val) for key, val in kwargs.items()}
-    bias = None
-    if bias_shape:
-        full = dict(B=B, N=N, T=T, S=S)
-        # In the activation dtype: the backend consumes the bias in it (DESIGN §3: same rounded inputs).
-        bias = jnp.asarray(rng.standard_normal([full.get(c, 1) for c in bias_shape]), dtype)
-    ct_out = jnp.asarray(rng.standard_normal((B, T, N, Hv)), jnp.float32)
-    ct_lse = jnp.asarray(rng.standard_normal((B, N, T)), jnp.float32)
+    bias, ct_out, ct_lse = bias_and_cotangents(rng, B, T, S, N, Hv, bias_shape, dtype)
     return q, k, v, bias, ct_out, ct_lse, kwargs
 
 

@@ -22,15 +22,8 @@ import numpy as np
 import pytest
 
 import maxattn
-from helpers import (MAX_TOL, OUT_TOL, assert_close, assert_max_logit_close, loss_and_grads, random_inputs,
-                     reference64, x64)
-
-
-def _has_gpu() -> bool:
-    try:
-        return len(jax.devices("gpu")) > 0
-    except RuntimeError:
-        return False
+from helpers import (GPU_MARKS, bias_and_cotangents, MAX_TOL, OUT_TOL, assert_close, assert_max_logit_close,
+                     loss_and_grads, random_inputs, reference64, x64)
 
 
 def _cpu_backend_ok() -> bool:
@@ -45,7 +38,7 @@ BACKENDS = [
     pytest.param("cpu", id="cpu",
                  marks=pytest.mark.skipif(not _cpu_backend_ok(), reason="CPU extension not built or not a CPU host")),
     pytest.param("cudnn", id="cudnn",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax has none)")]),
+                 marks=GPU_MARKS),
 ]
 
 
@@ -128,13 +121,7 @@ def _seg_inputs(name, seed=0):
             kwargs[key] = _i32(val)
         else:
             kwargs[key] = val
-    bias = None
-    if bias_shape:
-        full = dict(B=B, N=N, T=T, S=S)
-        # In the activation dtype: the cudnn backend consumes the bias in it (DESIGN §3: same rounded inputs).
-        bias = jnp.asarray(rng.standard_normal([full.get(c, 1) for c in bias_shape]), DT)
-    ct_out = jnp.asarray(rng.standard_normal((B, T, N, Hv)), jnp.float32)
-    ct_lse = jnp.asarray(rng.standard_normal((B, N, T)), jnp.float32)
+    bias, ct_out, ct_lse = bias_and_cotangents(rng, B, T, S, N, Hv, bias_shape, DT)
     return q, k, v, bias, ct_out, ct_lse, kwargs
 
 
@@ -213,13 +200,7 @@ def _sink_inputs(name, seed=0):
     kwargs = {key: (_i32(val) if ("lengths" in key or "segment" in key) else val) for key, val in kw.items()}
     kwargs["softmax_type"] = softmax_type
     sink = None if sink is None else jnp.asarray(sink, jnp.float32)
-    bias = None
-    if bias_shape:
-        full = dict(B=B, N=N, T=T, S=S)
-        # In the activation dtype: the cudnn backend consumes the bias in it (DESIGN §3: same rounded inputs).
-        bias = jnp.asarray(rng.standard_normal([full.get(c, 1) for c in bias_shape]), DT)
-    ct_out = jnp.asarray(rng.standard_normal((B, T, N, Hv)), jnp.float32)
-    ct_lse = jnp.asarray(rng.standard_normal((B, N, T)), jnp.float32)
+    bias, ct_out, ct_lse = bias_and_cotangents(rng, B, T, S, N, Hv, bias_shape, DT)
     return q, k, v, bias, sink, ct_out, ct_lse, kwargs
 
 

@@ -27,18 +27,11 @@ import numpy as np
 import pytest
 
 import maxattn
-from helpers import (MAX_TOL, OUT_TOL, assert_close, assert_max_logit_close, loss_and_grads, random_inputs,
+from helpers import (GPU_MARKS, MAX_TOL, OUT_TOL, assert_close, assert_max_logit_close, loss_and_grads, random_inputs,
                      reference64, x64)
 
 
-def _has_gpu() -> bool:
-    try:
-        return len(jax.devices("gpu")) > 0
-    except RuntimeError:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax has none)")]
+pytestmark = GPU_MARKS
 
 DT = jnp.bfloat16
 TOL = OUT_TOL[DT]

@@ -29,7 +29,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from maxattn._src import backends, batching
+from maxattn._src import backends, batching, reference
 from maxattn._src.config import AttentionConfig, Operands
 
 FWD_TARGET = "maxattn_attention_fwd_cuda"
@@ -112,7 +112,7 @@ def unsupported_reason(config: AttentionConfig, ops: Operands) -> Optional[str]:
     return None
 
 
-def _bias_with_masks(config: AttentionConfig, ops: Operands) -> Optional[jax.Array]:
+def _bias_with_masks(ops: Operands) -> Optional[jax.Array]:
     """The bias cuDNN sees: the user's bias (input dtype) with the dense mask and
     segment ids folded in, broadcast to [b', n', T, S]; None without any of them."""
     q = ops.query
@@ -121,13 +121,9 @@ def _bias_with_masks(config: AttentionConfig, ops: Operands) -> Optional[jax.Arr
     bias = ops.bias
     if bias is not None:
         bias = bias.astype(q.dtype)
-    keep = None
-    if ops.mask is not None:
-        keep = ops.mask
+    keep = ops.mask
     if ops.q_segment_ids is not None:
-        qs = ops.q_segment_ids[:, None, :, None]
-        ks = ops.kv_segment_ids[:, None, None, :]
-        seg = (qs == ks) & (qs != 0)
+        seg = reference.same_segment(ops.q_segment_ids, ops.kv_segment_ids)
         keep = seg if keep is None else keep & seg
     if keep is not None:
         lowest = jnp.asarray(jnp.finfo(q.dtype).min, q.dtype)
@@ -142,7 +138,7 @@ def _prepare(config: AttentionConfig, ops: Operands):
     q = ops.query
     B, T, N, _ = q.shape
     S = ops.key.shape[1]
-    bias = _bias_with_masks(config, ops)
+    bias = _bias_with_masks(ops)
     qlen, kvlen = ops.q_seq_lengths, ops.kv_seq_lengths
     if (qlen is None) != (kvlen is None):
         qlen = jnp.full((B,), T, jnp.int32) if qlen is None else qlen

@@ -14,6 +14,13 @@ import numpy as np
 from maxattn._src.config import AttentionConfig, Operands
 
 
+def same_segment(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> jax.Array:
+    """Boolean [B, 1, T, S]: query and key are in the same segment, and it is not padding (id 0)."""
+    qs = q_segment_ids[:, None, :, None]
+    ks = kv_segment_ids[:, None, None, :]
+    return (qs == ks) & (qs != 0)
+
+
 def visibility(config: AttentionConfig, ops: Operands) -> jax.Array:
     """Boolean [B|1, N|1, T, S] array: which (query, key) pairs are visible."""
     B, T, N, _ = ops.query.shape
@@ -34,9 +41,7 @@ def visibility(config: AttentionConfig, ops: Operands) -> jax.Array:
     if config.window_right >= 0:
         vis &= j <= i + d + config.window_right
     if config.has_segment_ids:
-        qs = ops.q_segment_ids[:, None, :, None]
-        ks = ops.kv_segment_ids[:, None, None, :]
-        vis &= (qs == ks) & (qs != 0)
+        vis &= same_segment(ops.q_segment_ids, ops.kv_segment_ids)
     if config.has_mask:
         vis &= ops.mask
     return vis
