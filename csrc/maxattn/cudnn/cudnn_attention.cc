@@ -123,6 +123,47 @@ Status Execute(const BuiltGraph& built, cudnnHandle_t handle, std::unordered_map
   return Status::Ok();
 }
 
+// The graph settings forward and backward share: dtype, sizes, scale, bias,
+// dropout and the masks as cuDNN expresses them.
+Status BaseSpec(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs,
+                GraphSpec* spec) {
+  spec->dtype = inputs.dtype;
+  spec->shape = shape;
+  spec->scale = options.scale;
+  spec->has_bias = inputs.bias != nullptr;
+  spec->bias_dims = inputs.bias_dims;
+  spec->dropout = options.dropout_rate;
+  return PlanMasks(shape, options, inputs.q_seq_lengths != nullptr, spec->has_bias, &spec->masks);
+}
+
+// cuDNN's dropout seed and offset (two int64 in `seed`), derived on the stream
+// from inputs.dropout_seed when the graph has dropout.
+Status PrepareDropoutSeed(const GraphSpec& spec, const AttentionInputs& inputs, int64_t* seed,
+                          cudaStream_t stream) {
+  if (spec.dropout <= 0.0f) return Status::Ok();
+  return CudaStatus(LaunchDropoutSeed(inputs.dropout_seed, seed, stream), "maxattn dropout seed kernel launch");
+}
+
+// Variant-pack entries forward and backward share: q, k, v, bias, sequence
+// lengths and the dropout seed/offset.
+std::unordered_map<int64_t, void*> CommonPack(const GraphSpec& spec, const AttentionInputs& inputs, int64_t* seed) {
+  std::unordered_map<int64_t, void*> pack = {
+      {kUidQ, const_cast<void*>(inputs.q)},
+      {kUidK, const_cast<void*>(inputs.k)},
+      {kUidV, const_cast<void*>(inputs.v)},
+  };
+  if (spec.has_bias) pack[kUidBias] = const_cast<float*>(inputs.bias);
+  if (spec.masks.padding) {
+    pack[kUidSeqLenQ] = const_cast<int32_t*>(inputs.q_seq_lengths);
+    pack[kUidSeqLenKv] = const_cast<int32_t*>(inputs.kv_seq_lengths);
+  }
+  if (spec.dropout > 0.0f) {
+    pack[kUidSeed] = seed;
+    pack[kUidOffset] = seed + 1;
+  }
+  return pack;
+}
+
 }  // namespace
 
 size_t RuntimeVersion() { return cudnnGetVersion(); }
@@ -146,14 +187,8 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
   const bool sink_after = has_sink && want_max;
   const bool masked = MaskedByBias(inputs);
   GraphSpec spec;
-  spec.dtype = inputs.dtype;
-  spec.shape = shape;
-  spec.scale = options.scale;
-  spec.has_bias = inputs.bias != nullptr;
-  spec.bias_dims = inputs.bias_dims;
-  spec.dropout = options.dropout_rate;
+  MAXATTN_RETURN_IF_ERROR(BaseSpec(shape, options, inputs, &spec));
   spec.sink = has_sink && !sink_after;
-  MAXATTN_RETURN_IF_ERROR(PlanMasks(shape, options, inputs.q_seq_lengths != nullptr, spec.has_bias, &spec.masks));
   // Rows a folded-in mask empties are found from the statistics (a native
   // sink makes them 0 by itself).
   const bool detect_masked = masked && !spec.sink;
@@ -185,27 +220,11 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
   float* stats = need_stats_scratch ? static_cast<float*>(scratch.Take(rows_bytes)) : outputs.lse;
   float* row_scale = sink_after ? static_cast<float*>(scratch.Take(rows_bytes)) : nullptr;
   int64_t* seed = need_seed ? static_cast<int64_t*>(scratch.Take(2 * sizeof(int64_t))) : nullptr;
-  if (need_seed) {
-    MAXATTN_RETURN_IF_ERROR(
-        CudaStatus(LaunchDropoutSeed(inputs.dropout_seed, seed, ctx.stream), "maxattn dropout seed kernel launch"));
-  }
+  MAXATTN_RETURN_IF_ERROR(PrepareDropoutSeed(spec, inputs, seed, ctx.stream));
 
-  std::unordered_map<int64_t, void*> pack = {
-      {kUidQ, const_cast<void*>(inputs.q)},
-      {kUidK, const_cast<void*>(inputs.k)},
-      {kUidV, const_cast<void*>(inputs.v)},
-      {kUidO, outputs.out},
-  };
-  if (spec.has_bias) pack[kUidBias] = const_cast<float*>(inputs.bias);
-  if (spec.masks.padding) {
-    pack[kUidSeqLenQ] = const_cast<int32_t*>(inputs.q_seq_lengths);
-    pack[kUidSeqLenKv] = const_cast<int32_t*>(inputs.kv_seq_lengths);
-  }
+  std::unordered_map<int64_t, void*> pack = CommonPack(spec, inputs, seed);
+  pack[kUidO] = outputs.out;
   if (spec.sink) pack[kUidSink] = const_cast<float*>(inputs.sink_logits);
-  if (need_seed) {
-    pack[kUidSeed] = seed;
-    pack[kUidOffset] = seed + 1;
-  }
   if (has_stats) pack[kUidStats] = stats;
   if (need_max_rows) pack[kUidMax] = row_max;
   if (need_sum_exp) pack[kUidSumExp] = sum_exp;
@@ -213,12 +232,12 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
 
   const RowGeometry geometry = Geometry(shape, options, inputs);
   const bool empty_rows = geometry.MayHaveEmptyRows() || detect_masked;
-  if (need_sum_exp || want_max || empty_rows || sink_after) {
+  if (want_max || empty_rows || sink_after) {
     FinalizeArgs args;
     args.geometry = geometry;
     args.row_max = row_max;
     args.sum_exp = (want_lse || sink_after) ? sum_exp : nullptr;  // max_logit alone needs no lse
-    args.lse = has_stats || want_lse ? (want_lse ? outputs.lse : stats) : nullptr;
+    args.lse = stats;  // the lse output, the Stats scratch, or null
     args.max_logit = outputs.max_logit;
     args.out = empty_rows ? outputs.out : nullptr;
     args.head_dim_v = static_cast<int32_t>(shape.head_dim_v);
@@ -275,15 +294,9 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
   // yields the gradients of q, k, v (and bias) under the sink softmax; the sink
   // gradient comes from its own kernel.
   GraphSpec spec;
+  MAXATTN_RETURN_IF_ERROR(BaseSpec(shape, options, inputs, &spec));
   spec.backward = true;
-  spec.dtype = inputs.dtype;
-  spec.shape = shape;
-  spec.scale = options.scale;
-  spec.has_bias = inputs.bias != nullptr;
-  spec.bias_dims = inputs.bias_dims;
   spec.want_dbias = spec.has_bias && grads.dbias != nullptr;
-  spec.dropout = options.dropout_rate;
-  MAXATTN_RETURN_IF_ERROR(PlanMasks(shape, options, inputs.q_seq_lengths != nullptr, spec.has_bias, &spec.masks));
 
   std::unique_ptr<HandleLease> lease;
   MAXATTN_RETURN_IF_ERROR(HandleLease::Acquire(ctx.device, ctx.stream, &lease));
@@ -311,28 +324,16 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
     lse = fixed;
   }
   int64_t* seed = need_seed ? static_cast<int64_t*>(scratch.Take(2 * sizeof(int64_t))) : nullptr;
-  if (need_seed) {
-    MAXATTN_RETURN_IF_ERROR(
-        CudaStatus(LaunchDropoutSeed(inputs.dropout_seed, seed, ctx.stream), "maxattn dropout seed kernel launch"));
-  }
+  MAXATTN_RETURN_IF_ERROR(PrepareDropoutSeed(spec, inputs, seed, ctx.stream));
 
-  std::unordered_map<int64_t, void*> pack = {
-      {kUidQ, const_cast<void*>(inputs.q)},   {kUidK, const_cast<void*>(inputs.k)},
-      {kUidV, const_cast<void*>(inputs.v)},   {kUidO, const_cast<void*>(saved.out)},
-      {kUidDO, const_cast<void*>(saved.dout)}, {kUidStats, const_cast<float*>(lse)},
-      {kUidDQ, grads.dq},                      {kUidDK, grads.dk},
-      {kUidDV, grads.dv},
-  };
-  if (spec.has_bias) pack[kUidBias] = const_cast<float*>(inputs.bias);
+  std::unordered_map<int64_t, void*> pack = CommonPack(spec, inputs, seed);
+  pack[kUidO] = const_cast<void*>(saved.out);
+  pack[kUidDO] = const_cast<void*>(saved.dout);
+  pack[kUidStats] = const_cast<float*>(lse);
+  pack[kUidDQ] = grads.dq;
+  pack[kUidDK] = grads.dk;
+  pack[kUidDV] = grads.dv;
   if (spec.want_dbias) pack[kUidDBias] = grads.dbias;
-  if (spec.masks.padding) {
-    pack[kUidSeqLenQ] = const_cast<int32_t*>(inputs.q_seq_lengths);
-    pack[kUidSeqLenKv] = const_cast<int32_t*>(inputs.kv_seq_lengths);
-  }
-  if (need_seed) {
-    pack[kUidSeed] = seed;
-    pack[kUidOffset] = seed + 1;
-  }
   MAXATTN_RETURN_IF_ERROR(Execute(*built, lease->handle(), pack, workspace));
 
   if (grads.dsink) {
