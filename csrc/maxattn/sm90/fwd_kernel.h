@@ -1,0 +1,110 @@
+// maxattn sm90: the warp-specialised forward kernel and its host launcher.
+// Included only by the per-head-dim instantiation files (fwd_hdim*.cu).
+#ifndef MAXATTN_SM90_FWD_KERNEL_H_
+#define MAXATTN_SM90_FWD_KERNEL_H_
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "maxattn/attention.h"
+#include "maxattn/sm90/kernel_config.h"
+#include "maxattn/sm90/launch.h"
+#include "maxattn/sm90/mainloop_consumer.h"
+#include "maxattn/sm90/mainloop_producer.h"
+#include "maxattn/sm90/mask.h"
+#include "maxattn/sm90/tile_scheduler.h"
+
+namespace maxattn::sm90 {
+
+template <class Config>
+__global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_constant__ FwdParams<Config> p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Pipeline = typename Config::Pipeline;
+  using SharedStorage = typename Config::SharedStorage;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  const int warp = cutlass::canonical_warp_idx_sync();
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  if (warp == 0 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+  }
+
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Config::kBytesKV;
+  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Config::kConsumerThreads;
+  Pipeline pipe_k(smem.pipe_k, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  Pipeline pipe_v(smem.pipe_v, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  if (threadIdx.x == 0) smem.barrier_q.init(1);
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  const Tile tile = StaticLongestFirstScheduler::Get(p.args);
+  const BlockMask mask = BlockMask::Make(p.args, tile.batch);
+  int n_lo = 0, n_hi = 0;
+  mask.template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, &n_lo, &n_hi);
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
+    if (threadIdx.x == 0 && n_lo < n_hi) {
+      ProducerMainloop<Config>::Run(p, smem, pipe_k, pipe_v, tile, n_lo, n_hi);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
+    ConsumerMainloop<Config>::template Run<Config::kOverlap>(p.args, smem, pipe_k, pipe_v, tile, mask, n_lo, n_hi,
+                                  static_cast<int>(threadIdx.x) - 128);
+  }
+#endif
+}
+
+inline Status CudaStatus(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status::Ok();
+  return Status::Internal(std::string("sm90 attention: ") + what + ": " + cudaGetErrorName(err) + " (" +
+                          cudaGetErrorString(err) + ")");
+}
+
+template <int kHeadDim, class Element, bool kOverlap>
+Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const void* v, cudaStream_t stream) {
+  using namespace cute;
+  using Config = FwdConfig<kHeadDim, Element, kOverlap>;
+  auto gmem = [](const void* ptr, int len, int heads, int batch) {
+    const int64_t row = static_cast<int64_t>(heads) * kHeadDim;
+    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
+                       make_layout(make_shape(len, int32_t{kHeadDim}, heads, batch),
+                                   make_stride(row, _1{}, int64_t{kHeadDim}, row * len)));
+  };
+  FwdParams<Config> p;
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem(q, args.q_len, args.heads, args.batch),
+                          typename Config::SmemLayoutQ{}, Shape<typename Config::BlockM, typename Config::HeadDim>{},
+                          _1{});
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(k, args.kv_len, args.kv_heads, args.batch),
+                          take<0, 2>(typename Config::SmemLayoutK{}),
+                          Shape<typename Config::BlockN, typename Config::HeadDim>{}, _1{});
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(v, args.kv_len, args.kv_heads, args.batch),
+                          take<0, 2>(typename Config::SmemLayoutV{}),
+                          Shape<typename Config::BlockN, typename Config::HeadDim>{}, _1{});
+  p.args = args;
+
+  auto kernel = &FwdKernel<Config>;
+  MAXATTN_RETURN_IF_ERROR(CudaStatus(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes),
+      "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)"));
+  kernel<<<StaticLongestFirstScheduler::Grid(args), Config::kThreads, Config::kSmemBytes, stream>>>(p);
+  return CudaStatus(cudaGetLastError(), "forward kernel launch");
+}
+
+}  // namespace maxattn::sm90
+
+#define MAXATTN_SM90_INSTANTIATE_FORWARD(H, ELEMENT, OVERLAP)                                 \
+  template ::maxattn::Status maxattn::sm90::LaunchForward<H, ELEMENT, OVERLAP>(                  \
+      const FwdArgs&, const void*, const void*, const void*, cudaStream_t)
+
+#endif  // MAXATTN_SM90_FWD_KERNEL_H_

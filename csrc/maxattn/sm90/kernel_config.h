@@ -1,0 +1,126 @@
+// maxattn sm90: compile-time configuration of one forward kernel instance.
+//
+// One instance per (head dim, element type). Everything else (causal,
+// alignment, window, padding lengths, lse / max_logit requested) is a run-time
+// argument, so the whole backend is six kernels.
+//
+// Threads: warpgroup 0 is the producer (one elected thread issues TMA loads);
+// warpgroups 1 and 2 are consumers, each owning 64 of the tile's 128 query
+// rows, running WGMMA for S = Q K^T (both operands in shared memory) and
+// O += P V (P from registers, V from shared memory read MN-major).
+#ifndef MAXATTN_SM90_KERNEL_CONFIG_H_
+#define MAXATTN_SM90_KERNEL_CONFIG_H_
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace maxattn::sm90 {
+
+template <int kHeadDim_, class Element_, bool kOverlap_ = true>
+struct FwdConfig {
+  using Element = Element_;
+  // Consumers overlap the softmax of one key block with P V of the previous.
+  static constexpr bool kOverlap = kOverlap_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
+
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  using BlockM = cute::Int<kBlockM>;
+  using BlockN = cute::Int<kBlockN>;
+  using HeadDim = cute::Int<kHeadDim>;
+  using Stages = cute::Int<kStages>;
+
+  // Warpgroups tile the M (query) dimension; each runs 64-row atoms.
+  using WarpgroupLayout = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
+  using TiledMmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kBlockM / kConsumerWarpgroups>, BlockN, HeadDim>>(),
+      WarpgroupLayout{}));
+  using TiledMmaO = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kBlockM / kConsumerWarpgroups>, HeadDim, BlockN>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      WarpgroupLayout{}));
+
+  // Shared memory: 128-byte swizzled K-major tiles (head dim contiguous), as TMA
+  // writes them; V is read through a transposed (MN-major) view for P V.
+  using SwizzleAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, HeadDim>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockN, HeadDim, Stages>{}));
+  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutVt = decltype(cute::composition(
+      SmemLayoutV{}, cute::make_ordered_layout(cute::Shape<HeadDim, BlockN, Stages>{},
+                                               cute::Step<cute::_2, cute::_1, cute::_3>{})));
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>> v;
+    alignas(16) typename Pipeline::SharedStorage pipe_k;
+    alignas(16) typename Pipeline::SharedStorage pipe_v;
+    alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_q;
+    float warp_max[kConsumerThreads / 32];
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");
+
+  // Global tensors seen by TMA: (sequence, head dim, head, batch), head dim contiguous.
+  using GmemShape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
+  using GmemLayout = cute::Layout<GmemShape, GmemStride>;
+  using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                GmemLayout{}));
+  using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
+                                            cute::Shape<BlockM, HeadDim>{}, cute::_1{}));
+  using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
+                                             cute::take<0, 2>(SmemLayoutK{}),
+                                             cute::Shape<BlockN, HeadDim>{}, cute::_1{}));
+};
+
+// Run-time arguments shared by every instance (the TMA descriptors are added
+// per instance in FwdParams).
+struct FwdArgs {
+  void* out = nullptr;          // [B, T, N, H]
+  float* lse = nullptr;         // [B, N, T] or null
+  float* max_logit = nullptr;   // [B, N] or null; pre-filled with 0xffffffff
+  const int32_t* q_lens = nullptr;
+  const int32_t* kv_lens = nullptr;
+  int batch = 0, q_len = 0, kv_len = 0, heads = 0, kv_heads = 0, group = 1;
+  int num_m_blocks = 0;
+  float scale = 1.0f;        // > 0
+  float scale_log2 = 1.0f;   // scale * log2(e)
+  bool causal = false;
+  bool bottom_right = false;
+  int window_left = -1;      // < 0: unbounded (clamped on the host to T + S)
+  int window_right = -1;
+};
+
+template <class Config>
+struct FwdParams {
+  typename Config::TmaQ tma_q;
+  typename Config::TmaKV tma_k;
+  typename Config::TmaKV tma_v;
+  FwdArgs args;
+};
+
+}  // namespace maxattn::sm90
+
+#endif  // MAXATTN_SM90_KERNEL_CONFIG_H_

@@ -1,0 +1,18 @@
+// maxattn sm90: the per-instance launchers (defined in fwd_kernel.h,
+// instantiated in fwd_hdim{64,128,256}.cu, bf16 and fp16 each).
+#ifndef MAXATTN_SM90_LAUNCH_H_
+#define MAXATTN_SM90_LAUNCH_H_
+
+#include <cuda_runtime.h>
+
+#include "maxattn/attention.h"
+#include "maxattn/sm90/kernel_config.h"
+
+namespace maxattn::sm90 {
+
+template <int kHeadDim, class Element, bool kOverlap>
+Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const void* v, cudaStream_t stream);
+
+}  // namespace maxattn::sm90
+
+#endif  // MAXATTN_SM90_LAUNCH_H_

@@ -1,0 +1,173 @@
+// maxattn sm90: a consumer warpgroup's main loop. Per key block: S = Q K^T by
+// WGMMA from shared memory, release the K stage, mask (boundary tiles only),
+// online softmax, P converted to the element type in registers, O += P V by
+// WGMMA with P from registers and V read MN-major from shared memory, release
+// the V stage.
+#ifndef MAXATTN_SM90_MAINLOOP_CONSUMER_H_
+#define MAXATTN_SM90_MAINLOOP_CONSUMER_H_
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+#include "maxattn/sm90/epilogue.h"
+#include "maxattn/sm90/kernel_config.h"
+#include "maxattn/sm90/mask.h"
+#include "maxattn/sm90/softmax.h"
+#include "maxattn/sm90/tile_scheduler.h"
+
+namespace maxattn::sm90 {
+
+// Issues one warpgroup-wide GEMM over the K mode of the fragments
+// (asynchronous: the caller waits with warpgroup_wait<n>() and then fences
+// the accumulator before touching it).
+template <bool kZeroInit, bool kARegisters, class TiledMma, class TensorA, class TensorB, class TensorC>
+__device__ __forceinline__ void IssueGemm(TiledMma& mma, TensorA& a, const TensorB& b, TensorC& c) {
+  using namespace cute;
+  if constexpr (kARegisters) warpgroup_fence_operand(a);
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
+template <class TensorS, class TensorP, class Convert>
+__device__ __forceinline__ void ConvertP(const TensorS& s, TensorP& p, Convert& convert) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int i = 0; i < size(s); i += 2) {
+    cutlass::Array<float, 2> pair;
+    pair[0] = s(i);
+    pair[1] = s(i + 1);
+    cutlass::Array<typename TensorP::value_type, 2> packed = convert(pair);
+    p(i) = packed[0];
+    p(i + 1) = packed[1];
+  }
+}
+
+template <class Config>
+struct ConsumerMainloop {
+  using Element = typename Config::Element;
+  using SharedStorage = typename Config::SharedStorage;
+  using Pipeline = typename Config::Pipeline;
+  using PipelineState = typename Config::PipelineState;
+
+  template <bool kOverlap>
+  __device__ static void Run(const FwdArgs& args, SharedStorage& smem, Pipeline& pipe_k, Pipeline& pipe_v,
+                             const Tile& tile, const BlockMask& mask, int n_lo, int n_hi, int consumer_tid) {
+    using namespace cute;
+    using BlockM = typename Config::BlockM;
+    using BlockN = typename Config::BlockN;
+    using HeadDim = typename Config::HeadDim;
+    constexpr int kBlockM = Config::kBlockM;
+    constexpr int kBlockN = Config::kBlockN;
+
+    typename Config::TiledMmaS mma_s;
+    typename Config::TiledMmaO mma_o;
+    auto thr_s = mma_s.get_thread_slice(consumer_tid);
+    auto thr_o = mma_o.get_thread_slice(consumer_tid);
+
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Config::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Config::SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Config::SmemLayoutVt{});
+    Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // descriptors
+    Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, N, K, stage)
+    Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, H, N, stage)
+    Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});
+    Tensor tOrO = partition_fragment_C(mma_o, Shape<BlockM, HeadDim>{});
+    Tensor tOrP = make_tensor<Element>(partition_shape_A(mma_o, Shape<BlockM, BlockN>{}));
+    static_assert(decltype(size(tOrP))::value == decltype(size(tSrS))::value);
+
+    Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<BlockM, BlockN>{}));
+    Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<BlockM, HeadDim>{}));
+    Tensor s_rc = make_tensor(tSrS.data(), RowColLayout(tSrS.layout()));
+    Tensor sc_rc = make_tensor(tScS.data(), RowColLayout(tScS.layout()));
+    Tensor o_rc = make_tensor(tOrO.data(), RowColLayout(tOrO.layout()));
+    Tensor oc_rc = make_tensor(tOcO.data(), RowColLayout(tOcO.layout()));
+
+    constexpr int kRows = decltype(size<0>(s_rc))::value;
+    OnlineSoftmax<kRows> softmax(args.scale_log2);
+    clear(tOrO);
+
+    const int m0 = tile.m_block * kBlockM;
+    if (n_lo < n_hi) {
+      smem.barrier_q.wait(0);
+      cutlass::NumericArrayConverter<Element, float, 2> convert;
+      float correction[kRows];
+      if constexpr (!kOverlap) {
+        // Plain order: S, softmax, PV, one block at a time.
+        PipelineState state;
+        for (int nb = n_hi - 1; nb >= n_lo; --nb) {
+          pipe_k.consumer_wait(state);
+          IssueGemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, state.index()), tSrS);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tSrS);
+          pipe_k.consumer_release(state);
+          const int n0 = nb * kBlockN;
+          if (mask.template TileNeedsMask<kBlockM, kBlockN>(m0, n0)) mask.Apply(s_rc, sc_rc, m0, n0);
+          softmax.Update(s_rc, correction);
+          softmax.Rescale(o_rc, correction);
+          ConvertP(tSrS, tOrP, convert);
+          pipe_v.consumer_wait(state);
+          IssueGemm<false, true>(mma_o, tOrP, tOrV(_, _, _, state.index()), tOrO);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          pipe_v.consumer_release(state);
+          ++state;
+        }
+      } else {
+        // Intra-warpgroup overlap: the softmax of block n runs while the
+        // tensor cores do P V of block n+1. O is rescaled only after that
+        // GEMM has retired, and P is overwritten only then.
+        PipelineState state_k, state_v;
+        int nb = n_hi - 1;
+        pipe_k.consumer_wait(state_k);
+        IssueGemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, state_k.index()), tSrS);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
+        pipe_k.consumer_release(state_k);
+        ++state_k;
+        if (mask.template TileNeedsMask<kBlockM, kBlockN>(m0, nb * kBlockN)) {
+          mask.Apply(s_rc, sc_rc, m0, nb * kBlockN);
+        }
+        softmax.Update(s_rc, correction);
+        ConvertP(tSrS, tOrP, convert);
+        for (nb = n_hi - 2; nb >= n_lo; --nb) {
+          pipe_k.consumer_wait(state_k);
+          IssueGemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, state_k.index()), tSrS);
+          pipe_v.consumer_wait(state_v);
+          IssueGemm<false, true>(mma_o, tOrP, tOrV(_, _, _, state_v.index()), tOrO);
+          warpgroup_wait<1>();
+          warpgroup_fence_operand(tSrS);
+          pipe_k.consumer_release(state_k);
+          ++state_k;
+          const int n0 = nb * kBlockN;
+          if (mask.template TileNeedsMask<kBlockM, kBlockN>(m0, n0)) mask.Apply(s_rc, sc_rc, m0, n0);
+          softmax.Update(s_rc, correction);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          warpgroup_fence_operand(tOrP);
+          pipe_v.consumer_release(state_v);
+          ++state_v;
+          softmax.Rescale(o_rc, correction);
+          ConvertP(tSrS, tOrP, convert);
+        }
+        pipe_v.consumer_wait(state_v);
+        IssueGemm<false, true>(mma_o, tOrP, tOrV(_, _, _, state_v.index()), tOrO);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        pipe_v.consumer_release(state_v);
+      }
+    }
+    softmax.Finalize();
+    Epilogue<Config>::Store(args, tile, mask, softmax, o_rc, oc_rc, smem.warp_max, consumer_tid);
+  }
+};
+
+}  // namespace maxattn::sm90
+
+#endif  // MAXATTN_SM90_MAINLOOP_CONSUMER_H_

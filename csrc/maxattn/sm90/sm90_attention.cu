@@ -1,0 +1,197 @@
+// maxattn sm90: argument checks, the run-time dispatch over the six kernel
+// instances (head dim x dtype), and the degenerate cases.
+#include "maxattn/sm90/sm90_attention.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <string>
+
+#include <cutlass/numeric_types.h>
+
+#include "maxattn/sm90/kernel_config.h"
+#include "maxattn/sm90/launch.h"
+
+namespace maxattn {
+namespace {
+
+constexpr int64_t kMaxGridYZ = 65535;
+constexpr int64_t kMaxLen = int64_t{1} << 30;
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) % 16) == 0; }
+
+Status Cuda(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status::Ok();
+  return Status::Internal(std::string("sm90 attention: ") + what + ": " + cudaGetErrorName(err) + " (" +
+                          cudaGetErrorString(err) + ")");
+}
+
+__global__ void FillKernel(float* data, int64_t n, float value) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    data[i] = value;
+  }
+}
+
+Status Fill(float* data, int64_t n, float value, cudaStream_t stream) {
+  if (data == nullptr || n == 0) return Status::Ok();
+  const int64_t blocks = (n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024;
+  FillKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(data, n, value);
+  return Cuda(cudaGetLastError(), "fill kernel launch");
+}
+
+int ClampWindow(int64_t w, int64_t limit) {
+  if (w < 0) return -1;
+  return static_cast<int>(w < limit ? w : limit);
+}
+
+template <bool kOverlap>
+Status DispatchVariant(const AttentionShape& shape, const sm90::FwdArgs& args, const AttentionInputs& inputs,
+                       cudaStream_t stream) {
+  const bool bf16 = inputs.dtype == DType::kBFloat16;
+  const void *q = inputs.q, *k = inputs.k, *v = inputs.v;
+  switch (shape.head_dim) {
+    case 64:
+      return bf16 ? sm90::LaunchForward<64, cutlass::bfloat16_t, kOverlap>(args, q, k, v, stream)
+                  : sm90::LaunchForward<64, cutlass::half_t, kOverlap>(args, q, k, v, stream);
+    case 128:
+      return bf16 ? sm90::LaunchForward<128, cutlass::bfloat16_t, kOverlap>(args, q, k, v, stream)
+                  : sm90::LaunchForward<128, cutlass::half_t, kOverlap>(args, q, k, v, stream);
+    case 256:
+      return bf16 ? sm90::LaunchForward<256, cutlass::bfloat16_t, kOverlap>(args, q, k, v, stream)
+                  : sm90::LaunchForward<256, cutlass::half_t, kOverlap>(args, q, k, v, stream);
+    default:
+      return Status::Internal("sm90 attention: no kernel for head_dim " + std::to_string(shape.head_dim));
+  }
+}
+
+Status Dispatch(const AttentionShape& shape, const sm90::FwdArgs& args, const AttentionInputs& inputs,
+                cudaStream_t stream) {
+  // Experiment switch while both consumer loops are compared (read-only getenv).
+  const char* variant = std::getenv("MAXATTN_SM90_VARIANT");
+  if (variant != nullptr && std::string(variant) == "plain") return DispatchVariant<false>(shape, args, inputs, stream);
+  return DispatchVariant<true>(shape, args, inputs, stream);
+}
+
+Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs,
+                   const ForwardOutputs& outputs, cudaStream_t stream) {
+  MAXATTN_RETURN_IF_ERROR(ValidateShapeAndOptions(shape, options, inputs));
+  if (auto reason = Sm90UnsupportedReason(shape, options, inputs)) return Status::Unimplemented(*reason);
+  if (outputs.out == nullptr) return Status::InvalidArgument("sm90 attention: outputs.out is null");
+  if (!Aligned16(outputs.out)) {
+    return Status::Unimplemented("sm90 backend: outputs.out must be 16-byte aligned");
+  }
+
+  int device = 0, major = 0, minor = 0;
+  MAXATTN_RETURN_IF_ERROR(Cuda(cudaGetDevice(&device), "cudaGetDevice"));
+  MAXATTN_RETURN_IF_ERROR(Cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                               "cudaDeviceGetAttribute(major)"));
+  MAXATTN_RETURN_IF_ERROR(Cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+                               "cudaDeviceGetAttribute(minor)"));
+  if (major != 9 || minor != 0) {
+    return Status::Unimplemented("sm90 backend: needs a compute capability 9.0 GPU (found " +
+                                 std::to_string(major) + "." + std::to_string(minor) + ")");
+  }
+
+  const int64_t B = shape.batch, T = shape.q_len, S = shape.kv_len, N = shape.num_q_heads;
+  const int64_t out_bytes = B * T * N * shape.head_dim_v *
+                            static_cast<int64_t>(inputs.dtype == DType::kFloat32 ? 4 : 2);
+  if (B == 0 || N == 0 || T == 0) return Fill(outputs.max_logit, B * N, -INFINITY, stream);
+  if (S == 0) {  // every row fully masked
+    MAXATTN_RETURN_IF_ERROR(Cuda(cudaMemsetAsync(outputs.out, 0, static_cast<size_t>(out_bytes), stream),
+                                 "cudaMemsetAsync(out)"));
+    MAXATTN_RETURN_IF_ERROR(Fill(outputs.lse, B * N * T, -INFINITY, stream));
+    return Fill(outputs.max_logit, B * N, -INFINITY, stream);
+  }
+
+  sm90::FwdArgs args;
+  args.out = outputs.out;
+  args.lse = outputs.lse;
+  args.max_logit = outputs.max_logit;
+  args.q_lens = inputs.q_seq_lengths;
+  args.kv_lens = inputs.kv_seq_lengths;
+  args.batch = static_cast<int>(B);
+  args.q_len = static_cast<int>(T);
+  args.kv_len = static_cast<int>(S);
+  args.heads = static_cast<int>(N);
+  args.kv_heads = static_cast<int>(shape.num_kv_heads);
+  args.group = static_cast<int>(N / shape.num_kv_heads);
+  args.num_m_blocks = static_cast<int>((T + 127) / 128);
+  args.scale = options.scale;
+  args.scale_log2 = static_cast<float>(static_cast<double>(options.scale) * 1.4426950408889634);
+  args.causal = options.causal;
+  args.bottom_right = options.alignment == CausalAlignment::kBottomRight;
+  args.window_left = ClampWindow(options.window_left, T + S);
+  args.window_right = ClampWindow(options.window_right, T + S);
+  if (outputs.max_logit != nullptr) {
+    // 0xffffffff: below every float in the kernel's atomic ordering (see epilogue.h).
+    MAXATTN_RETURN_IF_ERROR(Cuda(cudaMemsetAsync(outputs.max_logit, 0xff, static_cast<size_t>(B * N) * 4, stream),
+                                 "cudaMemsetAsync(max_logit)"));
+  }
+  return Dispatch(shape, args, inputs, stream);
+}
+
+}  // namespace
+
+std::optional<std::string> Sm90UnsupportedReason(const AttentionShape& shape, const AttentionOptions& options,
+                                                 const AttentionInputs& inputs) {
+  if (inputs.dtype != DType::kBFloat16 && inputs.dtype != DType::kFloat16) {
+    return std::string("sm90 backend: dtype must be bfloat16 or float16 (float32 is not supported)");
+  }
+  if (shape.head_dim != shape.head_dim_v) {
+    return "sm90 backend: head_dim (" + std::to_string(shape.head_dim) + ") must equal head_dim_v (" +
+           std::to_string(shape.head_dim_v) + ")";
+  }
+  if (shape.head_dim != 64 && shape.head_dim != 128 && shape.head_dim != 256) {
+    return "sm90 backend: head_dim must be 64, 128 or 256 (got " + std::to_string(shape.head_dim) + ")";
+  }
+  if (inputs.bias != nullptr) return std::string("sm90 backend: bias is not supported");
+  if (inputs.mask != nullptr) return std::string("sm90 backend: a dense boolean mask is not supported");
+  if (inputs.q_segment_ids != nullptr || inputs.kv_segment_ids != nullptr) {
+    return std::string("sm90 backend: segment ids are not supported yet");
+  }
+  if (inputs.sink_logits != nullptr) return std::string("sm90 backend: attention sinks are not supported yet");
+  if (options.dropout_rate > 0.0f) return std::string("sm90 backend: dropout is not supported");
+  if (options.softcap > 0.0f) return std::string("sm90 backend: logits_soft_cap is not supported yet");
+  if (!(options.scale > 0.0f) || !std::isfinite(options.scale)) {
+    return std::string("sm90 backend: scale must be positive and finite");
+  }
+  if (shape.num_kv_heads <= 0 || shape.num_q_heads % shape.num_kv_heads != 0) {
+    return std::string("sm90 backend: num_q_heads must be a multiple of num_kv_heads");
+  }
+  if (shape.q_len > kMaxLen || shape.kv_len > kMaxLen) {
+    return std::string("sm90 backend: q_len and kv_len must be at most 2^30");
+  }
+  if ((shape.q_len + 127) / 128 > kMaxGridYZ) {
+    return std::string("sm90 backend: q_len must be at most 65535 * 128");
+  }
+  if (shape.batch > kMaxGridYZ) return std::string("sm90 backend: batch must be at most 65535");
+  if (shape.num_q_heads > INT32_MAX) return std::string("sm90 backend: num_q_heads must fit in int32");
+  // TMA: global strides below 2^40 bytes.
+  const int64_t elem = 2;
+  const int64_t q_batch_stride = shape.q_len * shape.num_q_heads * shape.head_dim * elem;
+  const int64_t kv_batch_stride = shape.kv_len * shape.num_kv_heads * shape.head_dim * elem;
+  if (q_batch_stride >= (int64_t{1} << 40) || kv_batch_stride >= (int64_t{1} << 40)) {
+    return std::string("sm90 backend: one batch row of q, k or v must be smaller than 2^40 bytes");
+  }
+  if (!Aligned16(inputs.q) || !Aligned16(inputs.k) || !Aligned16(inputs.v)) {
+    return std::string("sm90 backend: q, k and v must be 16-byte aligned");
+  }
+  return std::nullopt;
+}
+
+Status AttentionForwardSm90(const AttentionShape& shape, const AttentionOptions& options,
+                            const AttentionInputs& inputs, const ForwardOutputs& outputs, cudaStream_t stream) {
+  try {
+    return ForwardImpl(shape, options, inputs, outputs, stream);
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("sm90 attention: ") + e.what());
+  } catch (...) {
+    return Status::Internal("sm90 attention: unknown exception");
+  }
+}
+
+}  // namespace maxattn

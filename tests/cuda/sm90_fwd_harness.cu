@@ -1,0 +1,522 @@
+// Standalone GPU harness for the sm90 forward (csrc/maxattn/sm90/): numerics
+// against a float64 CPU reference over a matrix of cases, then timings.
+//
+//   sm90_fwd_harness            all cases, then the timed shapes
+//   sm90_fwd_harness --small    two small cases, no timing (for compute-sanitizer)
+//   sm90_fwd_harness --no-perf  all cases, no timing
+//
+// Each case draws fresh random inputs, poisons the outputs (0x7f bytes: a huge
+// finite value) before the run, compares out / lse / max_logit with the
+// reference (DESIGN.md section 3 tolerances), re-runs with lse and max_logit
+// off (out must be bit-identical) and re-runs once more (out must be
+// bit-identical: a moving result is a race). Exit code 1 if any case fails.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "maxattn/attention.h"
+#include "maxattn/sm90/sm90_attention.h"
+
+namespace {
+
+using maxattn::AttentionInputs;
+using maxattn::AttentionOptions;
+using maxattn::AttentionShape;
+using maxattn::CausalAlignment;
+using maxattn::DType;
+using maxattn::ForwardOutputs;
+using maxattn::Status;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+#define CUDA_OK(expr)                                                                          \
+  do {                                                                                         \
+    cudaError_t e_ = (expr);                                                                   \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__,     \
+                   __LINE__, cudaGetErrorString(e_));                                          \
+      std::exit(2);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+struct Case {
+  Case(std::string name_, int B_, int T_, int S_, int N_, int K_, int H_, DType dtype_ = DType::kBFloat16,
+       bool causal_ = false, bool bottom_right_ = false, int wl_ = -1, int wr_ = -1)
+      : name(std::move(name_)), B(B_), T(T_), S(S_), N(N_), K(K_), H(H_), dtype(dtype_), causal(causal_),
+        bottom_right(bottom_right_), wl(wl_), wr(wr_) {}
+  std::string name;
+  int B, T, S, N, K, H;
+  DType dtype;
+  bool causal;
+  bool bottom_right;
+  int wl, wr;
+  std::vector<int> q_lens, kv_lens;  // empty: none
+  bool spike = false;                // one large logit in the last batch row
+  bool nan = false;                  // one NaN in a query row of batch 0, head N-1
+};
+
+uint16_t ToBits(float x, DType t) {
+  if (t == DType::kBFloat16) {
+    const __nv_bfloat16_raw r = __float2bfloat16_rn(x);
+    return r.x;
+  }
+  const __half_raw r = __float2half_rn(x);
+  return r.x;
+}
+
+float FromBits(uint16_t u, DType t) {
+  if (t == DType::kBFloat16) {
+    __nv_bfloat16_raw r;
+    r.x = u;
+    return __bfloat162float(__nv_bfloat16(r));
+  }
+  __half_raw r;
+  r.x = u;
+  return __half2float(__half(r));
+}
+
+struct Visibility {
+  int q_valid, kv_valid, d;
+  bool causal;
+  int wl, wr;
+  bool operator()(int i, int j) const {
+    if (i >= q_valid || j >= kv_valid) return false;
+    if (causal && j > i + d) return false;
+    if (wl >= 0 && j < i + d - wl) return false;
+    if (wr >= 0 && j > i + d + wr) return false;
+    return true;
+  }
+};
+
+Visibility VisFor(const Case& c, int b) {
+  Visibility v;
+  v.q_valid = c.q_lens.empty() ? c.T : std::min(std::max(c.q_lens[b], 0), c.T);
+  v.kv_valid = c.kv_lens.empty() ? c.S : std::min(std::max(c.kv_lens[b], 0), c.S);
+  v.d = c.bottom_right ? v.kv_valid - v.q_valid : 0;
+  v.causal = c.causal;
+  v.wl = c.wl;
+  v.wr = c.wr;
+  return v;
+}
+
+struct Reference {
+  std::vector<double> out, lse, max_logit;
+};
+
+Reference ComputeReference(const Case& c, const std::vector<float>& q, const std::vector<float>& k,
+                           const std::vector<float>& v, double scale) {
+  Reference r;
+  const int B = c.B, T = c.T, S = c.S, N = c.N, K = c.K, H = c.H, G = N / K;
+  r.out.assign(static_cast<size_t>(B) * T * N * H, 0.0);
+  r.lse.assign(static_cast<size_t>(B) * N * T, -kInf);
+  r.max_logit.assign(static_cast<size_t>(B) * N, -kInf);
+  auto work = [&](int bn) {
+    const int b = bn / N, n = bn % N, kh = n / G;
+    const Visibility vis = VisFor(c, b);
+    std::vector<double> s(S);
+    double head_max = -kInf;
+    bool head_nan = false;
+    for (int i = 0; i < T; ++i) {
+      const float* qi = &q[((static_cast<size_t>(b) * T + i) * N + n) * H];
+      double m = -kInf;
+      bool any = false, row_nan = false;
+      for (int j = 0; j < S; ++j) {
+        if (!vis(i, j)) continue;
+        const float* kj = &k[((static_cast<size_t>(b) * S + j) * K + kh) * H];
+        double dot = 0;
+        for (int h = 0; h < H; ++h) dot += static_cast<double>(qi[h]) * kj[h];
+        s[j] = scale * dot;
+        any = true;
+        if (std::isnan(s[j])) row_nan = true; else m = std::max(m, s[j]);
+      }
+      if (!any) continue;
+      if (row_nan) head_nan = true; else head_max = std::max(head_max, m);
+      double sum = 0;
+      std::vector<double> acc(H, 0.0);
+      for (int j = 0; j < S; ++j) {
+        if (!vis(i, j)) continue;
+        const double p = row_nan ? std::nan("") : std::exp(s[j] - m);
+        sum += p;
+        const float* vj = &v[((static_cast<size_t>(b) * S + j) * K + kh) * H];
+        for (int h = 0; h < H; ++h) acc[h] += p * vj[h];
+      }
+      double* o = &r.out[((static_cast<size_t>(b) * T + i) * N + n) * H];
+      for (int h = 0; h < H; ++h) o[h] = acc[h] / sum;
+      r.lse[(static_cast<size_t>(b) * N + n) * T + i] = m + std::log(sum);
+    }
+    r.max_logit[static_cast<size_t>(b) * N + n] = head_nan ? std::nan("") : head_max;
+  };
+  const int jobs = B * N;
+  const int nthreads = std::max(1u, std::min(std::thread::hardware_concurrency(), 64u));
+  std::vector<std::thread> pool;
+  for (int t = 0; t < nthreads; ++t) {
+    pool.emplace_back([&, t] {
+      for (int bn = t; bn < jobs; bn += nthreads) work(bn);
+    });
+  }
+  for (auto& th : pool) th.join();
+  return r;
+}
+
+template <class T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t count = 0;
+  explicit DeviceBuffer(size_t n) : count(n) {
+    if (n) CUDA_OK(cudaMalloc(&ptr, n * sizeof(T)));
+  }
+  ~DeviceBuffer() {
+    if (ptr) cudaFree(ptr);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  size_t bytes() const { return count * sizeof(T); }
+};
+
+const char* DTypeName(DType t) { return t == DType::kBFloat16 ? "bf16" : "fp16"; }
+
+bool RunCase(const Case& c, uint64_t seed) {
+  const int B = c.B, T = c.T, S = c.S, N = c.N, K = c.K, H = c.H;
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  const size_t nq = static_cast<size_t>(B) * T * N * H, nk = static_cast<size_t>(B) * S * K * H;
+  std::vector<uint16_t> hq(nq), hk(nk), hv(nk);
+  std::vector<float> fq(nq), fk(nk), fv(nk);
+  auto draw = [&](std::vector<uint16_t>& bits, std::vector<float>& f) {
+    for (size_t i = 0; i < bits.size(); ++i) {
+      bits[i] = ToBits(uni(rng), c.dtype);
+      f[i] = FromBits(bits[i], c.dtype);
+    }
+  };
+  draw(hq, fq);
+  draw(hk, fk);
+  draw(hv, fv);
+  const int G = N / K;
+  if (c.spike) {  // q row = 3 * a visible k row: a logit far above the rest, in batch row B-1 only
+    const int b = B - 1, n = N / 2;
+    const Visibility vis = VisFor(c, b);
+    for (int i = vis.q_valid - 1; i >= 0; --i) {
+      int j0 = -1;
+      for (int j = 0; j < S && j0 < 0; ++j) if (vis(i, j)) j0 = j;
+      if (j0 < 0) continue;
+      for (int h = 0; h < H; ++h) {
+        const size_t qi = ((static_cast<size_t>(b) * T + i) * N + n) * H + h;
+        const size_t ki = ((static_cast<size_t>(b) * S + j0) * K + n / G) * H + h;
+        hq[qi] = ToBits(3.0f * fk[ki], c.dtype);
+        fq[qi] = FromBits(hq[qi], c.dtype);
+      }
+      break;
+    }
+  }
+  if (c.nan) {
+    const int b = 0, n = N - 1;
+    const Visibility vis = VisFor(c, b);
+    const int i = vis.q_valid / 2;
+    const size_t qi = ((static_cast<size_t>(b) * T + i) * N + n) * H + 3;
+    hq[qi] = ToBits(std::nanf(""), c.dtype);
+    fq[qi] = std::nanf("");
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(H));
+  const Reference ref = ComputeReference(c, fq, fk, fv, static_cast<float>(scale));
+
+  DeviceBuffer<uint16_t> dq(nq), dk(nk), dv(nk), dout(nq), dout2(nq);
+  DeviceBuffer<float> dlse(static_cast<size_t>(B) * N * T), dmax(static_cast<size_t>(B) * N);
+  DeviceBuffer<int32_t> dql(c.q_lens.size()), dkl(c.kv_lens.size());
+  CUDA_OK(cudaMemcpy(dq.ptr, hq.data(), dq.bytes(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dk.ptr, hk.data(), dk.bytes(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dv.ptr, hv.data(), dv.bytes(), cudaMemcpyHostToDevice));
+  if (!c.q_lens.empty()) CUDA_OK(cudaMemcpy(dql.ptr, c.q_lens.data(), dql.bytes(), cudaMemcpyHostToDevice));
+  if (!c.kv_lens.empty()) CUDA_OK(cudaMemcpy(dkl.ptr, c.kv_lens.data(), dkl.bytes(), cudaMemcpyHostToDevice));
+
+  AttentionShape shape;
+  shape.batch = B; shape.q_len = T; shape.kv_len = S; shape.num_q_heads = N; shape.num_kv_heads = K;
+  shape.head_dim = H; shape.head_dim_v = H;
+  AttentionOptions opt;
+  opt.scale = static_cast<float>(scale);
+  opt.causal = c.causal;
+  opt.alignment = c.bottom_right ? CausalAlignment::kBottomRight : CausalAlignment::kTopLeft;
+  opt.window_left = c.wl;
+  opt.window_right = c.wr;
+  AttentionInputs in;
+  in.dtype = c.dtype; in.q = dq.ptr; in.k = dk.ptr; in.v = dv.ptr;
+  in.q_seq_lengths = c.q_lens.empty() ? nullptr : dql.ptr;
+  in.kv_seq_lengths = c.kv_lens.empty() ? nullptr : dkl.ptr;
+
+  if (auto reason = maxattn::Sm90UnsupportedReason(shape, opt, in)) {
+    std::printf("FAIL %-34s unsupported: %s\n", c.name.c_str(), reason->c_str());
+    return false;
+  }
+  auto run = [&](void* out, float* lse, float* mx) {
+    CUDA_OK(cudaMemset(out, 0x7f, dout.bytes()));
+    if (lse) CUDA_OK(cudaMemset(lse, 0x7f, dlse.bytes()));
+    if (mx) CUDA_OK(cudaMemset(mx, 0x7f, dmax.bytes()));
+    ForwardOutputs o;
+    o.out = out; o.lse = lse; o.max_logit = mx;
+    Status st = maxattn::AttentionForwardSm90(shape, opt, in, o, nullptr);
+    if (!st.ok()) {
+      std::printf("FAIL %-34s status: %s\n", c.name.c_str(), st.message().c_str());
+      return false;
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    return true;
+  };
+  if (!run(dout.ptr, dlse.ptr, dmax.ptr)) return false;
+  std::vector<uint16_t> got(nq), got2(nq);
+  std::vector<float> glse(dlse.count), gmax(dmax.count);
+  CUDA_OK(cudaMemcpy(got.data(), dout.ptr, dout.bytes(), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(glse.data(), dlse.ptr, dlse.bytes(), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(gmax.data(), dmax.ptr, dmax.bytes(), cudaMemcpyDeviceToHost));
+
+  // out
+  double num = 0, den = 0;
+  size_t nan_mismatch = 0, masked_nonzero = 0;
+  for (size_t idx = 0; idx < nq; ++idx) {
+    const double g = FromBits(got[idx], c.dtype), r = ref.out[idx];
+    if (std::isnan(r) || std::isnan(g)) {
+      nan_mismatch += std::isnan(r) != std::isnan(g);
+      continue;
+    }
+    num += (g - r) * (g - r);
+    den += r * r;
+  }
+  for (int b = 0; b < B; ++b)
+    for (int n = 0; n < N; ++n)
+      for (int i = 0; i < T; ++i)
+        if (ref.lse[(static_cast<size_t>(b) * N + n) * T + i] == -kInf)
+          for (int h = 0; h < H; ++h)
+            masked_nonzero += got[((static_cast<size_t>(b) * T + i) * N + n) * H + h] != 0;
+  const double out_err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  const double out_tol = c.dtype == DType::kBFloat16 ? 2e-2 : 1e-2;
+  // lse
+  double lse_err = 0;
+  size_t lse_bad = 0, masked_rows = 0;
+  for (size_t idx = 0; idx < glse.size(); ++idx) {
+    const double g = glse[idx], r = ref.lse[idx];
+    if (r == -kInf) {
+      ++masked_rows;
+      lse_bad += g != -kInf;
+    } else if (std::isnan(r) || std::isnan(g)) {
+      lse_bad += std::isnan(r) != std::isnan(g);
+    } else {
+      const double e = std::fabs(g - r) / std::max(1.0, std::fabs(r));
+      lse_err = std::max(lse_err, e);
+      lse_bad += e > 2e-3;
+    }
+  }
+  // max_logit
+  double max_err = 0;
+  size_t max_bad = 0;
+  for (size_t idx = 0; idx < gmax.size(); ++idx) {
+    const double g = gmax[idx], r = ref.max_logit[idx];
+    if (std::isnan(r) || std::isnan(g) || std::isinf(r) || std::isinf(g)) {
+      const bool same = (std::isnan(r) && std::isnan(g)) || (g == r);
+      max_bad += !same;
+    } else {
+      const double e = std::fabs(g - r) / std::max(std::fabs(r), 1e-3);
+      max_err = std::max(max_err, e);
+      max_bad += e > 1e-3;
+    }
+  }
+  // out without lse / max_logit, and a second identical run: bit-identical.
+  size_t diff_nolse = 0, diff_rerun = 0;
+  if (!run(dout2.ptr, nullptr, nullptr)) return false;
+  CUDA_OK(cudaMemcpy(got2.data(), dout2.ptr, dout2.bytes(), cudaMemcpyDeviceToHost));
+  for (size_t idx = 0; idx < nq; ++idx) diff_nolse += got2[idx] != got[idx];
+  if (!run(dout2.ptr, dlse.ptr, dmax.ptr)) return false;
+  CUDA_OK(cudaMemcpy(got2.data(), dout2.ptr, dout2.bytes(), cudaMemcpyDeviceToHost));
+  for (size_t idx = 0; idx < nq; ++idx) diff_rerun += got2[idx] != got[idx];
+
+  double ref_max_abs = -kInf;
+  for (double m : ref.max_logit) if (!std::isnan(m)) ref_max_abs = std::max(ref_max_abs, m);
+  const bool pass = out_err <= out_tol && nan_mismatch == 0 && masked_nonzero == 0 && lse_bad == 0 &&
+                    max_bad == 0 && diff_nolse == 0 && diff_rerun == 0;
+  std::printf("%s %-34s %s out_rel=%.2e lse_err=%.1e max_rel=%.1e nan_mis=%zu masked_rows=%zu masked_nz=%zu "
+              "lse_bad=%zu max_bad=%zu nolse_diff=%zu rerun_diff=%zu top_logit=%.3f\n",
+              pass ? "PASS" : "FAIL", c.name.c_str(), DTypeName(c.dtype), out_err, lse_err, max_err, nan_mismatch,
+              masked_rows, masked_nonzero, lse_bad, max_bad, diff_nolse, diff_rerun, ref_max_abs);
+  std::fflush(stdout);
+  return pass;
+}
+
+std::vector<Case> AllCases() {
+  std::vector<Case> v;
+  auto add = [&](Case c) { v.push_back(std::move(c)); };
+  for (DType t : {DType::kBFloat16, DType::kFloat16}) {
+    for (int H : {64, 128, 256}) {
+      const std::string h = "h" + std::to_string(H);
+      add({h + " dense", 2, 256, 256, 4, 4, H, t});
+      add({h + " causal tl odd", 2, 300, 300, 2, 2, H, t, true});
+      add({h + " causal br T<S", 2, 200, 333, 2, 1, H, t, true, true});
+    }
+  }
+  const DType bf = DType::kBFloat16;
+  add({"h128 causal tl T>S", 1, 333, 200, 2, 2, 128, bf, true, false});
+  add({"h128 causal br T>S (masked rows)", 1, 333, 200, 2, 2, 128, bf, true, true});
+  add({"h128 dense T!=S odd", 2, 77, 515, 3, 3, 128, bf});
+  add({"h128 gqa 8/2 causal", 2, 384, 384, 8, 2, 128, bf, true});
+  add({"h128 mqa 4/1 dense", 1, 130, 260, 4, 1, 128, bf});
+  add({"h64 gqa 6/3 causal br", 1, 190, 250, 6, 3, 64, bf, true, true});
+  add({"h128 window 64,0 causal", 1, 500, 500, 2, 2, 128, bf, true, false, 64, 0});
+  add({"h128 window 32,16", 1, 400, 450, 2, 2, 128, bf, false, false, 32, 16});
+  add({"h128 window 100,-1 br", 1, 300, 420, 2, 2, 128, bf, false, true, 100, -1});
+  add({"h256 window 40,40", 1, 260, 260, 2, 1, 256, DType::kFloat16, false, false, 40, 40});
+  {
+    Case c{"h128 padding lengths", 3, 257, 300, 2, 2, 128, bf};
+    c.q_lens = {100, 257, 0};
+    c.kv_lens = {180, 64, 300};
+    add(c);
+  }
+  {
+    Case c{"h128 padding causal br", 2, 260, 270, 2, 2, 128, bf, true, true};
+    c.q_lens = {129, 260};
+    c.kv_lens = {270, 0};
+    add(c);
+  }
+  {
+    Case c{"h64 padding + window", 2, 300, 300, 2, 1, 64, bf, true, false, 50, 0};
+    c.q_lens = {300, 11};
+    c.kv_lens = {250, 300};
+    add(c);
+  }
+  {
+    Case c{"h128 spike in batch row 1", 2, 256, 256, 4, 4, 128, bf, true};
+    c.spike = true;
+    add(c);
+  }
+  {
+    Case c{"h256 spike padding", 2, 200, 200, 2, 2, 256, bf};
+    c.spike = true;
+    c.kv_lens = {200, 150};
+    add(c);
+  }
+  {
+    Case c{"h128 nan in a query row", 2, 256, 256, 2, 2, 128, bf, true};
+    c.nan = true;
+    add(c);
+  }
+  add({"h128 T=1 decode S=1000", 3, 1, 1000, 4, 2, 128, bf});
+  add({"h128 T=1 causal br S=700", 2, 1, 700, 2, 2, 128, bf, true, true});
+  add({"h128 long causal 1024", 1, 1024, 1024, 2, 2, 128, bf, true});
+  add({"h64 long dense 1000", 1, 1000, 1000, 2, 2, 64, DType::kFloat16});
+  return v;
+}
+
+std::vector<Case> SmallCases() {
+  std::vector<Case> v;
+  Case a{"small h128 causal padding", 2, 150, 200, 2, 1, 128, DType::kBFloat16, true, true};
+  a.q_lens = {150, 40};
+  a.kv_lens = {200, 190};
+  v.push_back(a);
+  v.push_back({"small h64 window", 1, 130, 140, 2, 2, 64, DType::kFloat16, false, false, 20, 10});
+  return v;
+}
+
+__global__ void RandomFill(uint16_t* x, size_t n, uint32_t seed, bool bf16) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
+    const float f = (h & 0xffffff) * (2.0f / 16777216.0f) - 1.0f;
+    if (bf16) {
+      const __nv_bfloat16_raw r = __float2bfloat16_rn(f);
+      x[i] = r.x;
+    } else {
+      const __half_raw r = __float2half_rn(f);
+      x[i] = r.x;
+    }
+  }
+}
+
+void Perf() {
+  struct Shape { int B, T, N, K, H; bool causal; };
+  const Shape shapes[] = {{4, 2048, 32, 32, 128, true}, {4, 2048, 32, 32, 128, false},
+                          {2, 8192, 16, 16, 128, true}, {4, 4096, 32, 8, 128, true},
+                          {8, 2048, 16, 16, 64, true}};
+  std::printf("\n%-28s %10s %10s %10s %10s %10s\n", "B,T,N,K,H mask", "ms(lse)", "TFLOP/s", "ms(+max)",
+              "TFLOP/s", "max cost");
+  for (const Shape& s : shapes) {
+    const size_t nq = static_cast<size_t>(s.B) * s.T * s.N * s.H, nk = static_cast<size_t>(s.B) * s.T * s.K * s.H;
+    DeviceBuffer<uint16_t> q(nq), k(nk), v(nk), out(nq);
+    DeviceBuffer<float> lse(static_cast<size_t>(s.B) * s.N * s.T), mx(static_cast<size_t>(s.B) * s.N);
+    RandomFill<<<1024, 256>>>(q.ptr, nq, 1u, true);
+    RandomFill<<<1024, 256>>>(k.ptr, nk, 2u, true);
+    RandomFill<<<1024, 256>>>(v.ptr, nk, 3u, true);
+    CUDA_OK(cudaGetLastError());
+    AttentionShape shape;
+    shape.batch = s.B; shape.q_len = s.T; shape.kv_len = s.T; shape.num_q_heads = s.N;
+    shape.num_kv_heads = s.K; shape.head_dim = s.H; shape.head_dim_v = s.H;
+    AttentionOptions opt;
+    opt.scale = 1.0f / std::sqrt(static_cast<float>(s.H));
+    opt.causal = s.causal;
+    AttentionInputs in;
+    in.dtype = DType::kBFloat16; in.q = q.ptr; in.k = k.ptr; in.v = v.ptr;
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    auto once = [&](bool with_max) {
+      ForwardOutputs o;
+      o.out = out.ptr; o.lse = lse.ptr; o.max_logit = with_max ? mx.ptr : nullptr;
+      CUDA_OK(cudaEventRecord(e0));
+      Status st = maxattn::AttentionForwardSm90(shape, opt, in, o, nullptr);
+      CUDA_OK(cudaEventRecord(e1));
+      if (!st.ok()) { std::printf("perf status: %s\n", st.message().c_str()); std::exit(1); }
+      CUDA_OK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+      return static_cast<double>(ms);
+    };
+    for (int w = 0; w < 3; ++w) { once(false); once(true); }
+    std::vector<double> a, b;
+    for (int r = 0; r < 30; ++r) { a.push_back(once(false)); b.push_back(once(true)); }
+    std::sort(a.begin(), a.end());
+    std::sort(b.begin(), b.end());
+    const double ma = a[a.size() / 2], mb = b[b.size() / 2];
+    const double flops = 4.0 * s.B * s.N * static_cast<double>(s.T) * s.T * s.H * (s.causal ? 0.5 : 1.0);
+    char label[64];
+    std::snprintf(label, sizeof label, "%d,%d,%d,%d,%d %s", s.B, s.T, s.N, s.K, s.H, s.causal ? "causal" : "none");
+    std::printf("%-28s %10.4f %10.1f %10.4f %10.1f %9.2f%%\n", label, ma, flops / ma / 1e9, mb, flops / mb / 1e9,
+                (mb / ma - 1.0) * 100.0);
+    std::fflush(stdout);
+    CUDA_OK(cudaEventDestroy(e0));
+    CUDA_OK(cudaEventDestroy(e1));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool small = false, perf = true;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--small")) { small = true; perf = false; }
+    if (!std::strcmp(argv[i], "--no-perf")) perf = false;
+  }
+  cudaDeviceProp prop;
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, cc %d.%d, %d SMs\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+  int failures = 0, total = 0;
+  const std::vector<Case> cases = small ? SmallCases() : AllCases();
+  bool perf_only = false;
+  for (int i = 1; i < argc; ++i) perf_only |= !std::strcmp(argv[i], "--perf-only");
+  if (!perf_only) {
+    uint64_t seed = 1234;
+    for (const Case& c : cases) {
+      ++total;
+      failures += !RunCase(c, seed++);
+    }
+    std::printf("\n%d/%d cases passed\n", total - failures, total);
+  }
+  if (perf) Perf();
+  return failures == 0 ? 0 : 1;
+}
