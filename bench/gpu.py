@@ -342,7 +342,7 @@ def _versions(opts):
     except Exception as e:
         info["jaxlib"] = _reason(e)
     try:
-        from maxattn._src import cudnn as backend
+        from maxattn._src.backends import cudnn as backend
         info["cudnn"] = backend.cudnn_version()
     except Exception as e:
         info["cudnn"] = _reason(e)

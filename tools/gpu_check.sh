@@ -45,8 +45,8 @@ fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 if has build; then
   $PY - <<'PY' 2>&1 | tee -a "$OUT/env.log"
-from maxattn._src import cudnn
-print("cudnn backend: version", cudnn.cudnn_version(), "reason:", cudnn._module()[1])
+from maxattn._src.backends import cudnn
+print("cudnn backend: version", cudnn.cudnn_version(), "reason:", cudnn.module()[1])
 import maxattn._maxattn_cuda as m
 print("supports {Stats, Max}:", m.supports_stats_with_max())
 PY

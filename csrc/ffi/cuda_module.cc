@@ -1,12 +1,63 @@
 // Python module `maxattn._maxattn_cuda`: exposes the cuDNN FFI handlers as
 // capsules for jax.ffi.register_ffi_target(platform="CUDA"). Imported only
 // when JAX has a GPU backend, after JAX has loaded libcudnn.so.9.
+#include <cudnn_version.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
 
 #include "maxattn/cudnn/cudnn_attention.h"
 #include "ffi/handlers.h"
 
 namespace nb = nanobind;
+
+namespace {
+
+using Shape = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+// cudnn::CheckSupported for a call described from Python: None if the backend
+// can run it, else the reason. Arguments: the sizes (B, T, S, N, K, H, Hv), the
+// dtype's name, the AttentionOptions members, and the CallFeatures flags.
+std::optional<std::string> UnsupportedReason(const Shape& sizes, const std::string& dtype, float scale, bool causal,
+                                             int alignment, int64_t window_left, int64_t window_right,
+                                             float softcap, float dropout_rate, bool bias, bool masked_by_bias,
+                                             bool padding, bool sink) {
+  maxattn::cudnn::CallFeatures features;
+  if (dtype == "bfloat16") {
+    features.dtype = maxattn::DType::kBFloat16;
+  } else if (dtype == "float16") {
+    features.dtype = maxattn::DType::kFloat16;
+  } else if (dtype == "float32") {
+    features.dtype = maxattn::DType::kFloat32;
+  } else {
+    return "dtype " + dtype + " unsupported: the cudnn backend runs bfloat16 and float16 inputs";
+  }
+  features.bias = bias;
+  features.masked_by_bias = masked_by_bias;
+  features.padding = padding;
+  features.sink = sink;
+  const auto [B, T, S, N, K, H, Hv] = sizes;
+  const maxattn::AttentionShape shape{B, T, S, N, K, H, Hv};
+  maxattn::AttentionOptions options;
+  options.scale = scale;
+  options.causal = causal;
+  options.alignment = static_cast<maxattn::CausalAlignment>(alignment);
+  options.window_left = window_left;
+  options.window_right = window_right;
+  options.softcap = softcap;
+  options.dropout_rate = dropout_rate;
+  const maxattn::Status status = maxattn::cudnn::CheckSupported(shape, options, features);
+  if (status.ok()) return std::nullopt;
+  return status.message();
+}
+
+}  // namespace
 
 using maxattn::ffi_glue::HandlerAddress;
 
@@ -18,8 +69,14 @@ NB_MODULE(_maxattn_cuda, m) {
     targets["maxattn_attention_bwd_cuda"] = nb::capsule(HandlerAddress(maxattn::ffi_glue::MaxattnAttentionBwdCuda));
     return targets;
   });
+  m.def("unsupported_reason", &UnsupportedReason, nb::arg("sizes"), nb::arg("dtype"), nb::kw_only(),
+        nb::arg("scale"), nb::arg("causal"), nb::arg("alignment"), nb::arg("window_left"), nb::arg("window_right"),
+        nb::arg("softcap"), nb::arg("dropout_rate"), nb::arg("bias"), nb::arg("masked_by_bias"),
+        nb::arg("padding"), nb::arg("sink"),
+        "None if the cudnn backend can run the described call, else the reason (cudnn::CheckSupported).");
   m.def("cudnn_version", []() { return maxattn::cudnn::RuntimeVersion(); },
         "The cuDNN version loaded in this process (cudnnGetVersion()).");
+  m.def("cudnn_compiled_version", []() { return CUDNN_VERSION; }, "The cuDNN version this module was compiled against.");
   m.def("supports_stats_with_max", []() { return maxattn::cudnn::SupportsStatsWithMax(); },
         "True when cuDNN (>= 9.21) can emit Stats and Max together.");
   // Test-only hooks (tests/python/test_cudnn_hardening.py).

@@ -2,35 +2,23 @@
 // target (CPU and CUDA, forward and backward) into the core's structs.
 //
 // Operand order of every target: q, k, v, bias, mask, q_seq_lengths,
-// kv_seq_lengths, q_segment_ids, kv_segment_ids, sink_logits, dropout_seed.
-// Absent optional operands are zero-sized placeholders; has_* attributes
-// (and dropout_rate > 0) say which are present.
+// kv_seq_lengths, q_segment_ids, kv_segment_ids, sink_logits, dropout_seed
+// (python/maxattn/_src/call.py's Operands). An absent optional operand is the
+// placeholder [0]: the buffers say what is present, and the attributes are
+// exactly the core's AttentionOptions, decoded as one struct (options_attr.h).
+// What is checked here is only buffer-versus-buffer and buffer-versus-option
+// consistency; user-facing validation is the Python layer's.
 #ifndef MAXATTN_FFI_DECODE_H_
 #define MAXATTN_FFI_DECODE_H_
 
 #include <cstdint>
+#include <string>
 #include <string_view>
-#include <utility>
+#include <vector>
 
 #include "ffi/ffi_helpers.h"
 
 namespace maxattn::ffi_glue {
-
-// Attributes common to every target (see python/maxattn/_src/ffi_call.py).
-struct CallAttrs {
-  float scale;
-  bool is_causal;
-  bool bottom_right;
-  int64_t window_left;
-  int64_t window_right;
-  float softcap;
-  bool has_bias;
-  bool has_mask;
-  bool has_q_seq_lengths;
-  bool has_kv_seq_lengths;
-  bool has_segment_ids;
-  float dropout_rate;
-};
 
 struct CallOperands {
   const ffi::AnyBuffer& q;
@@ -52,38 +40,19 @@ struct DecodedCall {
   AttentionInputs inputs;
 };
 
-// Binds the eleven common operands and the attributes, in that order.
-template <typename Binding>
-auto BindCommon(Binding binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()            // q [B, T, N, H]
-      .template Arg<ffi::AnyBuffer>()            // k [B, S, K, H]
-      .template Arg<ffi::AnyBuffer>()            // v [B, S, K, Hv]
-      .template Arg<ffi::AnyBuffer>()            // bias [b', n', t', s'] or placeholder
-      .template Arg<ffi::AnyBuffer>()            // mask [b', n', t', s'] pred or placeholder
-      .template Arg<ffi::AnyBuffer>()            // q_seq_lengths [B] s32 or placeholder
-      .template Arg<ffi::AnyBuffer>()            // kv_seq_lengths [B] s32 or placeholder
-      .template Arg<ffi::AnyBuffer>()            // q_segment_ids [B, T] s32 or placeholder
-      .template Arg<ffi::AnyBuffer>()            // kv_segment_ids [B, S] s32 or placeholder
-      .template Attr<float>("scale")
-      .template Attr<bool>("is_causal")
-      .template Attr<bool>("bottom_right")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right")
-      .template Attr<float>("softcap")
-      .template Attr<bool>("has_bias")
-      .template Attr<bool>("has_mask")
-      .template Attr<bool>("has_q_seq_lengths")
-      .template Attr<bool>("has_kv_seq_lengths")
-      .template Attr<bool>("has_segment_ids")
-      .template Arg<ffi::AnyBuffer>()            // sink_logits [N] f32 or placeholder (vanilla softmax)
-      .template Arg<ffi::AnyBuffer>()            // dropout_seed [4] u32 or placeholder (no dropout)
-      .template Attr<float>("dropout_rate");
+// Reads a present broadcastable [b', n', t', s'] operand (bias or mask).
+inline ffi::Error DecodeBroadcastable(std::string_view op, std::string_view name, const ffi::AnyBuffer& buffer,
+                                      ffi::DataType type, const AttentionShape& s, BroadcastDims* dims,
+                                      bool* present) {
+  *present = !IsPlaceholder(buffer);
+  if (!*present) return ffi::Error::Success();
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(op, name, buffer.element_type(), type));
+  return ReadBroadcastDims(op, name, buffer, s, dims);
 }
 
-// Checks every operand against q/k/v and the attributes and fills `call`.
+// Checks every operand against q/k/v and the options and fills `call`.
 // `bias_type` is the element type the backend expects for a present bias.
-inline ffi::Error DecodeCall(std::string_view op, const CallOperands& in, const CallAttrs& attrs,
+inline ffi::Error DecodeCall(std::string_view op, const CallOperands& in, const AttentionOptions& options,
                              ffi::DataType bias_type, DecodedCall* call) {
   const auto qd = in.q.dimensions();
   const auto kd = in.k.dimensions();
@@ -112,64 +81,44 @@ inline ffi::Error DecodeCall(std::string_view op, const CallOperands& in, const 
   x.q = in.q.untyped_data();
   x.k = in.k.untyped_data();
   x.v = in.v.untyped_data();
-  if (attrs.has_bias) {
-    MAXATTN_FFI_RETURN_IF_ERROR(CheckType(op, "bias", in.bias.element_type(), bias_type));
-    MAXATTN_FFI_RETURN_IF_ERROR(ReadBroadcastDims(op, "bias", in.bias, s, &x.bias_dims));
-    x.bias = static_cast<const float*>(in.bias.untyped_data());
-  } else {
-    MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(op, "bias", in.bias, false, bias_type, {}));
+  bool present = false;
+  MAXATTN_FFI_RETURN_IF_ERROR(DecodeBroadcastable(op, "bias", in.bias, bias_type, s, &x.bias_dims, &present));
+  if (present) x.bias = static_cast<const float*>(in.bias.untyped_data());
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      DecodeBroadcastable(op, "mask", in.mask, ffi::DataType::PRED, s, &x.mask_dims, &present));
+  if (present) x.mask = static_cast<const bool*>(in.mask.untyped_data());
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckOptional(op, "q_seq_lengths", in.q_seq_lengths, ffi::DataType::S32, {s.batch}, &present));
+  if (present) x.q_seq_lengths = static_cast<const int32_t*>(in.q_seq_lengths.untyped_data());
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckOptional(op, "kv_seq_lengths", in.kv_seq_lengths, ffi::DataType::S32, {s.batch}, &present));
+  if (present) x.kv_seq_lengths = static_cast<const int32_t*>(in.kv_seq_lengths.untyped_data());
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckOptional(op, "q_segment_ids", in.q_segment_ids, ffi::DataType::S32, {s.batch, s.q_len}, &present));
+  if (present) x.q_segment_ids = static_cast<const int32_t*>(in.q_segment_ids.untyped_data());
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(op, "kv_segment_ids", in.kv_segment_ids, ffi::DataType::S32,
+                                            {s.batch, s.kv_len}, &present));
+  if (present) x.kv_segment_ids = static_cast<const int32_t*>(in.kv_segment_ids.untyped_data());
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckOptional(op, "sink_logits", in.sink_logits, ffi::DataType::F32, {s.num_q_heads}, &present));
+  if (present) x.sink_logits = static_cast<const float*>(in.sink_logits.untyped_data());
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckOptional(op, "dropout_seed", in.dropout_seed, ffi::DataType::U32, {4}, &present));
+  if (present) x.dropout_seed = static_cast<const uint32_t*>(in.dropout_seed.untyped_data());
+  if (present != (options.dropout_rate > 0.0f)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": operand `dropout_seed` must be given iff "
+                                       "dropout_rate > 0 (dropout_rate " + std::to_string(options.dropout_rate) +
+                                       ", dropout_seed " + (present ? "given" : "absent") + ")");
   }
-  if (attrs.has_mask) {
-    MAXATTN_FFI_RETURN_IF_ERROR(CheckType(op, "mask", in.mask.element_type(), ffi::DataType::PRED));
-    MAXATTN_FFI_RETURN_IF_ERROR(ReadBroadcastDims(op, "mask", in.mask, s, &x.mask_dims));
-    x.mask = static_cast<const bool*>(in.mask.untyped_data());
-  } else {
-    MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(op, "mask", in.mask, false, ffi::DataType::PRED, {}));
-  }
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(op, "q_seq_lengths", in.q_seq_lengths, attrs.has_q_seq_lengths,
-                                            ffi::DataType::S32, {s.batch}));
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(op, "kv_seq_lengths", in.kv_seq_lengths,
-                                            attrs.has_kv_seq_lengths, ffi::DataType::S32, {s.batch}));
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(op, "q_segment_ids", in.q_segment_ids, attrs.has_segment_ids,
-                                            ffi::DataType::S32, {s.batch, s.q_len}));
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(op, "kv_segment_ids", in.kv_segment_ids, attrs.has_segment_ids,
-                                            ffi::DataType::S32, {s.batch, s.kv_len}));
-  if (attrs.has_q_seq_lengths) x.q_seq_lengths = static_cast<const int32_t*>(in.q_seq_lengths.untyped_data());
-  if (attrs.has_kv_seq_lengths) x.kv_seq_lengths = static_cast<const int32_t*>(in.kv_seq_lengths.untyped_data());
-  if (attrs.has_segment_ids) {
-    x.q_segment_ids = static_cast<const int32_t*>(in.q_segment_ids.untyped_data());
-    x.kv_segment_ids = static_cast<const int32_t*>(in.kv_segment_ids.untyped_data());
-  }
-
-  AttentionOptions& o = call->options;
-  o.scale = attrs.scale;
-  o.causal = attrs.is_causal;
-  o.alignment = attrs.bottom_right ? CausalAlignment::kBottomRight : CausalAlignment::kTopLeft;
-  o.window_left = attrs.window_left;
-  o.window_right = attrs.window_right;
-  o.softcap = attrs.softcap;
-  const bool has_sink = in.sink_logits.element_count() != 0 || in.sink_logits.dimensions().size() != 1;
-  if (has_sink) {
-    MAXATTN_FFI_RETURN_IF_ERROR(
-        CheckOptional(op, "sink_logits", in.sink_logits, true, ffi::DataType::F32, {s.num_q_heads}));
-    x.sink_logits = static_cast<const float*>(in.sink_logits.untyped_data());
-  }
-  o.dropout_rate = attrs.dropout_rate;
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(op, "dropout_seed", in.dropout_seed, attrs.dropout_rate > 0.0f,
-                                            ffi::DataType::U32, {4}));
-  if (attrs.dropout_rate > 0.0f) x.dropout_seed = static_cast<const uint32_t*>(in.dropout_seed.untyped_data());
-  return ToFfiError(ValidateShapeAndOptions(s, o, x));
+  call->options = options;
+  return ToFfiError(ValidateShapeAndOptions(s, call->options, x));
 }
 
-// An optional output is either requested, with exactly `expected` dims, or
-// not requested, passed as the rank-1 placeholder [0]. `expected` has rank >= 2.
+// An optional result is either requested, with exactly `expected` dims, or
+// not requested, passed as the placeholder [0].
 inline ffi::Error CheckOutput(std::string_view op, std::string_view operand, const ffi::AnyBuffer& buffer,
                               ffi::DataType type, const std::vector<int64_t>& expected, bool* requested) {
-  const auto dims = buffer.dimensions();
-  *requested = !(dims.size() == 1 && dims[0] == 0);
-  if (!*requested) return ffi::Error::Success();
-  MAXATTN_FFI_RETURN_IF_ERROR(CheckType(op, operand, buffer.element_type(), type));
-  return CheckDims(op, operand, dims, expected);
+  return CheckOptional(op, operand, buffer, type, expected, requested);
 }
 
 // Checks the forward results (out; lse and max_logit requested by shape) and
@@ -225,18 +174,18 @@ inline ffi::Error DecodeBackwardBuffers(std::string_view op, const DecodedCall& 
   }
   bool has_dlse = false, want_dbias = false, want_dsink = false;
   MAXATTN_FFI_RETURN_IF_ERROR(CheckOutput(op, "dlse", dlse, ffi::DataType::F32, lse_dims, &has_dlse));
-  if (call.inputs.bias) {
-    const BroadcastDims& b = call.inputs.bias_dims;
-    MAXATTN_FFI_RETURN_IF_ERROR(CheckOutput(op, "dbias", dbias, bias_type, {b.b, b.n, b.t, b.s}, &want_dbias));
-  } else {
-    MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(op, "dbias", dbias, false, bias_type, {}));
+  // A dbias (dsink) exists only with a bias (sink logits), with its dims.
+  if (!call.inputs.bias && !IsPlaceholder(dbias)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": result `dbias` is requested but there is no bias");
   }
-  if (call.inputs.sink_logits) {
-    MAXATTN_FFI_RETURN_IF_ERROR(
-        CheckOutput(op, "dsink", dsink, ffi::DataType::F32, {s.batch, s.num_q_heads}, &want_dsink));
-  } else {
-    MAXATTN_FFI_RETURN_IF_ERROR(CheckOptional(op, "dsink", dsink, false, ffi::DataType::F32, {}));
+  if (!call.inputs.sink_logits && !IsPlaceholder(dsink)) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": result `dsink` is requested but there are no sink_logits");
   }
+  const BroadcastDims& b = call.inputs.bias_dims;
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckOutput(op, "dbias", dbias, bias_type, {b.b, b.n, b.t, b.s}, &want_dbias));
+  MAXATTN_FFI_RETURN_IF_ERROR(
+      CheckOutput(op, "dsink", dsink, ffi::DataType::F32, {s.batch, s.num_q_heads}, &want_dsink));
   saved->out = out.untyped_data();
   saved->dout = dout.untyped_data();
   saved->lse = static_cast<const float*>(lse.untyped_data());

@@ -69,18 +69,19 @@ inline ffi::Error CheckType(std::string_view op, std::string_view operand, ffi::
                                      ", expected " + std::to_string(static_cast<int>(expected)));
 }
 
-// An optional operand is passed as a zero-sized placeholder when absent; the
-// attribute `present` says which it is, and the buffer must agree.
+// An absent optional operand or unrequested optional result is the rank-1
+// placeholder [0]; anything else (a zero-sized [B, 0, ...] too) is present.
+inline bool IsPlaceholder(const ffi::AnyBuffer& buffer) {
+  const auto dims = buffer.dimensions();
+  return dims.size() == 1 && dims[0] == 0;
+}
+
+// A present optional operand must have `type` and exactly `expected` dims.
+// Returns whether it is present in *present.
 inline ffi::Error CheckOptional(std::string_view op, std::string_view operand, const ffi::AnyBuffer& buffer,
-                                bool present, ffi::DataType type, const std::vector<int64_t>& expected) {
-  if (!present) {
-    if (buffer.element_count() != 0) {
-      return ffi::Error::InvalidArgument(std::string(op) + ": operand `" + std::string(operand) +
-                                         "` is marked absent by its attribute but has shape " +
-                                         DimsToString(buffer.dimensions()));
-    }
-    return ffi::Error::Success();
-  }
+                                ffi::DataType type, const std::vector<int64_t>& expected, bool* present) {
+  *present = !IsPlaceholder(buffer);
+  if (!*present) return ffi::Error::Success();
   MAXATTN_FFI_RETURN_IF_ERROR(CheckType(op, operand, buffer.element_type(), type));
   return CheckDims(op, operand, buffer.dimensions(), expected);
 }

@@ -25,7 +25,7 @@ import pytest
 
 import maxattn
 from helpers import random_inputs
-from maxattn._src import cpu as cpu_backend
+from maxattn._src.backends import cpu as cpu_backend
 
 pytestmark = pytest.mark.skipif(cpu_backend._maxattn_cpu is None, reason="CPU extension not built")
 

@@ -28,7 +28,7 @@ from helpers import (GPU_MARKS, bias_and_cotangents, MAX_TOL, OUT_TOL, assert_cl
 
 def _cpu_backend_ok() -> bool:
     try:
-        from maxattn._src import cpu
+        from maxattn._src.backends import cpu
     except ImportError:
         return False
     return getattr(cpu, "_maxattn_cpu", None) is not None and jax.default_backend() == "cpu"

@@ -40,8 +40,8 @@ HOOKS = ("_fail_next_graph_builds", "_fail_next_workspace_allocations", "_graph_
 
 def _cuda():
     """The CUDA extension module (imported only here, after the GPU check), with its test hooks."""
-    from maxattn._src import cudnn
-    module, reason = cudnn._module()
+    from maxattn._src.backends import cudnn
+    module, reason = cudnn.module()
     if module is None:
         pytest.fail(f"the cudnn backend is unavailable on a GPU machine: {reason}")
     missing = [h for h in HOOKS if not hasattr(module, h)]

@@ -124,9 +124,9 @@ def test_mean_over_keys_converges_to_no_dropout():
 def test_keep_fraction_within_statistical_bounds():
     q, k, _ = random_inputs(0, 2, 64, 96, 4, 4, 8, 8, jnp.float32)
     rate = 0.3
-    from maxattn._src.config import canonicalize
-    config, ops = canonicalize(q, k, k, dropout_rate=rate, dropout_rng=KEY)
-    keep = np.asarray(reference.dropout_keep(config, ops))
+    from maxattn._src.canonicalize import canonicalize
+    call, _ = canonicalize(q, k, k, dropout_rate=rate, dropout_rng=KEY)
+    keep = np.asarray(reference.dropout_keep(call))
     m = keep.size
     sigma = np.sqrt(rate * (1 - rate) / m)
     assert abs(keep.mean() - (1 - rate)) <= 5 * sigma

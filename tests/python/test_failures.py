@@ -20,8 +20,8 @@ import pytest
 
 import maxattn
 from helpers import assert_close, random_inputs
-from maxattn._src import cpu as cpu_backend
-from maxattn._src.config import canonicalize
+from maxattn._src.backends import cpu as cpu_backend
+from maxattn._src.canonicalize import canonicalize
 
 pytestmark = pytest.mark.skipif(cpu_backend._maxattn_cpu is None, reason="CPU extension not built")
 
@@ -30,8 +30,8 @@ F32 = jnp.float32
 
 
 def _attrs(**over):
-    config, _ = canonicalize(jnp.zeros((B, T, N, H)), jnp.zeros((B, S, K, H)), jnp.zeros((B, S, K, Hv)))
-    attrs = config.ffi_attributes()
+    call, _ = canonicalize(jnp.zeros((B, T, N, H)), jnp.zeros((B, S, K, H)), jnp.zeros((B, S, K, Hv)))
+    attrs = call.options.ffi_attributes()
     attrs.update(over)
     return attrs
 
@@ -56,7 +56,7 @@ ORDER = ("q", "k", "v", "bias", "mask", "qlen", "kvlen", "qseg", "kvseg")
 
 def _fwd(ops, attrs, out_shape=(B, T, N, Hv), out_dtype=F32, lse_shape=(B, N, T), max_shape=(B, N),
          lse_dtype=F32):
-    cpu_backend._register()
+    cpu_backend.register()
     shapes = (jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct(lse_shape, lse_dtype),
               jax.ShapeDtypeStruct(max_shape, F32))
     res = jax.ffi.ffi_call(cpu_backend.FWD_TARGET, shapes)(*_operands(ops), **attrs)
@@ -64,7 +64,7 @@ def _fwd(ops, attrs, out_shape=(B, T, N, Hv), out_dtype=F32, lse_shape=(B, N, T)
 
 
 def _bwd(ops, attrs, saved, grad_shapes=None):
-    cpu_backend._register()
+    cpu_backend.register()
     q, k, v = ops["q"], ops["k"], ops["v"]
     grad_shapes = grad_shapes or [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), ((0,), F32)]
     grad_shapes = list(grad_shapes) + [((0,), F32)]  # dsink
@@ -114,26 +114,25 @@ FORWARD_CASES = [
     ("lse shape", {}, {}, dict(lse_shape=(B, T, N)), ["operand `lse`", str([B, N, T])]),
     ("lse dtype", {}, {}, dict(lse_dtype=jnp.bfloat16), ["operand `lse`", "element type"]),
     ("max_logit shape", {}, {}, dict(max_shape=(N,)), ["operand `max_logit`"]),
-    ("bias flagged, absent", {}, dict(has_bias=True), {}, ["operand `bias`"]),
-    ("bias present, unflagged", dict(bias=lambda o: jnp.zeros((B, N, T, S))), {}, {},
-     ["`bias` is marked absent by its attribute"]),
-    ("bias not broadcastable", dict(bias=lambda o: jnp.zeros((B, N, T, S + 1))), dict(has_bias=True), {},
+    ("bias not broadcastable", dict(bias=lambda o: jnp.zeros((B, N, T, S + 1))), {}, {},
      ["`bias`", "not broadcastable"]),
-    ("bias dtype", dict(bias=lambda o: jnp.zeros((B, N, T, S), jnp.bfloat16)), dict(has_bias=True), {},
+    ("bias dtype", dict(bias=lambda o: jnp.zeros((B, N, T, S), jnp.bfloat16)), {}, {},
      ["operand `bias`", "element type"]),
-    ("mask dtype", dict(mask=lambda o: jnp.zeros((B, 1, T, S), jnp.int32)), dict(has_mask=True), {},
+    ("mask dtype", dict(mask=lambda o: jnp.zeros((B, 1, T, S), jnp.int32)), {}, {},
      ["operand `mask`", "element type"]),
-    ("mask rank", dict(mask=lambda o: jnp.ones((T, S), bool)), dict(has_mask=True), {}, ["`mask` must have rank 4"]),
-    ("qlen shape", dict(qlen=lambda o: jnp.zeros((B + 1,), jnp.int32)), dict(has_q_seq_lengths=True), {},
+    ("mask rank", dict(mask=lambda o: jnp.ones((T, S), bool)), {}, {}, ["`mask` must have rank 4"]),
+    ("qlen shape", dict(qlen=lambda o: jnp.zeros((B + 1,), jnp.int32)), {}, {},
      ["operand `q_seq_lengths`", str([B])]),
-    ("kvlen flagged, absent", {}, dict(has_kv_seq_lengths=True), {}, ["operand `kv_seq_lengths`"]),
-    ("kvlen dtype", dict(kvlen=lambda o: jnp.zeros((B,), jnp.float32)), dict(has_kv_seq_lengths=True), {},
+    ("kvlen dtype", dict(kvlen=lambda o: jnp.zeros((B,), jnp.float32)), {}, {},
      ["operand `kv_seq_lengths`", "element type"]),
-    ("one segment id", dict(qseg=lambda o: jnp.ones((B, T), jnp.int32)), dict(has_segment_ids=True), {},
-     ["operand `kv_segment_ids`"]),
-    ("segment ids unflagged", dict(qseg=lambda o: jnp.ones((B, T), jnp.int32),
-                                   kvseg=lambda o: jnp.ones((B, S), jnp.int32)), {}, {},
-     ["`q_segment_ids` is marked absent"]),
+    ("kvseg shape", dict(qseg=lambda o: jnp.ones((B, T), jnp.int32), kvseg=lambda o: jnp.ones((B, T + 1), jnp.int32)),
+     {}, {}, ["operand `kv_segment_ids`", str([B, S])]),
+    ("one segment id (core)", dict(qseg=lambda o: jnp.ones((B, T), jnp.int32)), {}, {},
+     ["q_segment_ids and kv_segment_ids must be given together"]),
+    ("dropout rate without seed", {}, dict(dropout_rate=np.float32(0.5)), {},
+     ["`dropout_seed` must be given iff dropout_rate > 0"]),
+    ("alignment out of range (core)", {}, dict(alignment=np.int32(5)), {},
+     ["alignment (5) must be top-left (0) or bottom-right (1)"]),
     ("window_left", {}, dict(window_left=np.int64(-7)), {}, ["window_left (-7) must be >= 0"]),
     ("window_right", {}, dict(window_right=np.int64(-2)), {}, ["window_right (-2) must be >= 0"]),
     ("softcap inf", {}, dict(softcap=np.float32(np.inf)), {}, ["softcap", "must be finite"]),
@@ -148,7 +147,7 @@ def test_forward_target_rejects_mismatch(name, ops_over, attr_over, call_over, e
     for n, f in ops_over.items():
         ops[n] = f(ops)
     # Errors of the glue name the target; the core's own validation messages name the field.
-    core = any(w in name for w in ("window", "softcap", "heads vs"))
+    core = any(w in name for w in ("window", "softcap", "heads vs", "(core)"))
     op = () if core else ("maxattn_attention_fwd_cpu",)
     _expect_error(lambda: _fwd(ops, _attrs(**attr_over), **call_over), *op, *expect)
 
@@ -182,7 +181,7 @@ BACKWARD_CASES = [
     ("dv dtype", {}, [((B, T, N, H), F32), ((B, S, K, H), F32), ((B, S, K, Hv), jnp.float16), ((0,), F32)],
      ["operand `dv`", "element type"]),
     ("dbias without bias", {}, [((B, T, N, H), F32), ((B, S, K, H), F32), ((B, S, K, Hv), F32), ((B, N, T, S), F32)],
-     ["`dbias` is marked absent"]),
+     ["result `dbias` is requested but there is no bias"]),
 ]
 
 
@@ -198,7 +197,7 @@ def test_backward_dbias_shape_must_match_bias():
     ops, saved = _saved()
     ops["bias"] = jnp.zeros((1, N, T, S))
     grad_shapes = [((B, T, N, H), F32), ((B, S, K, H), F32), ((B, S, K, Hv), F32), ((B, N, T, S), F32)]
-    _expect_error(lambda: _bwd(ops, _attrs(has_bias=True), saved, grad_shapes), "operand `dbias`",
+    _expect_error(lambda: _bwd(ops, _attrs(), saved, grad_shapes), "operand `dbias`",
                   str([1, N, T, S]))
 
 

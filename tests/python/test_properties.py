@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import maxattn
 from helpers import MAX_TOL, OUT_TOL, assert_close, assert_max_logit_close, loss_and_grads, x64
 from maxattn._src import reference as reference_lib
-from maxattn._src.config import canonicalize
+from maxattn._src.canonicalize import canonicalize
 
 _ENV = os.environ.get("MAXATTN_HYPOTHESIS_EXAMPLES")
 # Per-test example counts in CI (fixed, derandomized); the env var overrides them.
@@ -113,8 +113,8 @@ def _to_jax(case):
 
 def _visible_per_row(q, k, v, bias, mask, kw) -> np.ndarray:
     """Number of visible keys of every (b, n, i) row, from the reference's predicate."""
-    config, ops = canonicalize(q, k, v, bias, mask, **kw)
-    vis = reference_lib.visibility(config, ops)
+    call, _ = canonicalize(q, k, v, bias, mask, **kw)
+    vis = reference_lib.visibility(call)
     B, T, N, _ = q.shape
     return np.asarray(jnp.broadcast_to(vis, (B, N, T, k.shape[1]))).sum(-1)
 

@@ -612,19 +612,19 @@ def test_all_gather_causal_falls_back_to_chunk_pairs(impl, monkeypatch):
     """The fast all-gather causal calls are bottom-right causal with kv lengths, which cuDNN
     refuses together with dropout or segment ids: when the backend refuses them, CP runs the
     chunk-pair path instead, with the same results."""
-    from maxattn._src import cpu
-    real, refused = cpu.unsupported_reason, []
+    from maxattn._src.backends import cpu
+    real, refused = cpu.BACKEND.unsupported_reason, []
 
-    def reason(config, ops):
-        if config.bottom_right and config.has_kv_seq_lengths:
-            refused.append(config)
+    def reason(call):
+        if call.options.mask.bottom_right and call.operands.kv_seq_lengths is not None:
+            refused.append(call.options)
             return "refused for the test"
-        return real(config, ops)
+        return real(call)
 
     mesh = _mesh(2, 4, 1)
     q, k, v, ct_out, ct_lse = _inputs(70, 2)
     kw = dict(is_causal=True)
-    monkeypatch.setattr(cpu, "unsupported_reason", reason)
+    monkeypatch.setattr(cpu.BACKEND, "unsupported_reason", reason)
     res, _, _ = _run_sharded(impl, mesh, q, k, v, ct_out, ct_lse, strategy="all_gather", lb=False, kw=kw)
     assert refused  # so the chunk pairs ran
     _check(res, reference64(q, k, v, None, ct_out, ct_lse, **kw))

@@ -8,6 +8,7 @@
 #include <cudnn.h>
 #include <cudnn_frontend.h>
 
+#include "maxattn/cudnn/device_scope.h"
 #include "maxattn/cudnn/kernels.h"
 #include "maxattn/cudnn/sdpa_graph.h"
 #include "maxattn/fault_injection.h"
@@ -16,39 +17,15 @@ namespace maxattn::cudnn {
 namespace {
 
 constexpr size_t kStatsWithMaxVersion = 92100;
+constexpr int64_t kMaxHeadDim = 256;
 
 Status CudaStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return Status::Ok();
   return Status::Internal(std::string(what) + " failed: " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
 }
 
-// Makes `device` current for the calling thread while in scope.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
-      status_ = cudaSetDevice(device);
-      switched_ = status_ == cudaSuccess;
-    }
-  }
-  ~DeviceScope() {
-    if (switched_) cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  bool switched_ = false;
-  cudaError_t status_ = cudaSuccess;
-};
-
-Status CheckSupported(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs) {
-  if (inputs.dtype == DType::kFloat32) {
-    return Status::Unimplemented("the cudnn backend supports bfloat16 and float16 inputs, got float32");
-  }
-  if (options.softcap > 0.0f) return Status::Unimplemented("the cudnn backend does not support logits_soft_cap");
+// Buffer-versus-buffer consistency of a call (the support decision is CheckSupported's).
+Status CheckConsistent(const AttentionShape& shape, const AttentionInputs& inputs) {
   if ((inputs.mask || inputs.q_segment_ids) && !inputs.bias) {
     return Status::InvalidArgument(
         "the cudnn backend needs a dense mask or segment ids folded into the bias (see cudnn_attention.h)");
@@ -60,6 +37,11 @@ Status CheckSupported(const AttentionShape& shape, const AttentionOptions& optio
     return Status::InvalidArgument("the cudnn backend needs a bias of shape [b', n', T, S]");
   }
   return Status::Ok();
+}
+
+Status CheckCall(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs) {
+  MAXATTN_RETURN_IF_ERROR(CheckConsistent(shape, inputs));
+  return CheckSupported(shape, options, FeaturesOf(inputs));
 }
 
 // Logits of entries a folded-in mask removes are about the dtype's lowest
@@ -133,7 +115,7 @@ Status BaseSpec(const AttentionShape& shape, const AttentionOptions& options, co
   spec->has_bias = inputs.bias != nullptr;
   spec->bias_dims = inputs.bias_dims;
   spec->dropout = options.dropout_rate;
-  return PlanMasks(shape, options, inputs.q_seq_lengths != nullptr, spec->has_bias, &spec->masks);
+  return PlanMasks(shape, options, FeaturesOf(inputs), &spec->masks);
 }
 
 // cuDNN's dropout seed and offset (two int64 in `seed`), derived on the stream
@@ -166,6 +148,47 @@ std::unordered_map<int64_t, void*> CommonPack(const GraphSpec& spec, const Atten
 
 }  // namespace
 
+CallFeatures FeaturesOf(const AttentionInputs& inputs) {
+  CallFeatures f;
+  f.dtype = inputs.dtype;
+  f.bias = inputs.bias != nullptr;
+  f.masked_by_bias = MaskedByBias(inputs);
+  f.padding = inputs.q_seq_lengths != nullptr || inputs.kv_seq_lengths != nullptr;
+  f.sink = inputs.sink_logits != nullptr;
+  return f;
+}
+
+Status CheckSupported(const AttentionShape& shape, const AttentionOptions& options, const CallFeatures& features) {
+  if (features.dtype != DType::kBFloat16 && features.dtype != DType::kFloat16) {
+    return Status::Unimplemented("dtype float32 unsupported: the cudnn backend runs bfloat16 and float16 inputs");
+  }
+  const bool banded = options.causal || options.window_left >= 0 || options.window_right >= 0;
+  if (options.softcap > 0.0f) {
+    if (banded || features.masked_by_bias || features.padding) {
+      return Status::Unimplemented(
+          "logits_soft_cap together with masking (causal, window, sequence lengths, segment ids or mask) is a "
+          "known cuDNN gap: cuDNN's score modifier disables its built-in masks");
+    }
+    return Status::Unimplemented("logits_soft_cap is not supported by the cudnn backend");
+  }
+  for (const auto& [name, d] : {std::pair{"H", shape.head_dim}, std::pair{"Hv", shape.head_dim_v}}) {
+    if (d % 8 != 0 || d > kMaxHeadDim || d == 0) {
+      return Status::Unimplemented(std::string("head dim ") + name + "=" + std::to_string(d) +
+                                   " unsupported: cuDNN needs a multiple of 8 between 8 and " +
+                                   std::to_string(kMaxHeadDim));
+    }
+  }
+  if (shape.batch == 0 || shape.q_len == 0 || shape.kv_len == 0 || shape.num_q_heads == 0) {
+    return Status::Unimplemented("an empty batch, sequence or head axis is not supported by the cudnn backend");
+  }
+  if (options.window_left >= 0 && !features.padding && shape.q_len > shape.kv_len) {
+    return Status::Unimplemented("cuDNN supports a sliding window only with T <= S (got T=" +
+                                 std::to_string(shape.q_len) + ", S=" + std::to_string(shape.kv_len) + ")");
+  }
+  MaskPlan plan;
+  return PlanMasks(shape, options, features, &plan);
+}
+
 size_t RuntimeVersion() { return cudnnGetVersion(); }
 
 bool SupportsStatsWithMax() { return RuntimeVersion() >= kStatsWithMaxVersion; }
@@ -173,7 +196,7 @@ bool SupportsStatsWithMax() { return RuntimeVersion() >= kStatsWithMaxVersion; }
 Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions& options,
                              const AttentionInputs& inputs, const ForwardOutputs& outputs,
                              const DeviceContext& ctx) {
-  MAXATTN_RETURN_IF_ERROR(CheckSupported(shape, options, inputs));
+  MAXATTN_RETURN_IF_ERROR(CheckCall(shape, options, inputs));
   DeviceScope scope(ctx.device);
   MAXATTN_RETURN_IF_ERROR(CudaStatus(scope.status(), "cudaSetDevice"));
   if (shape.batch == 0 || shape.q_len == 0 || shape.num_q_heads == 0) return Status::Ok();
@@ -259,7 +282,7 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
 Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOptions& options,
                               const AttentionInputs& inputs, const BackwardInputs& saved,
                               const BackwardOutputs& grads, const DeviceContext& ctx) {
-  MAXATTN_RETURN_IF_ERROR(CheckSupported(shape, options, inputs));
+  MAXATTN_RETURN_IF_ERROR(CheckCall(shape, options, inputs));
   if (saved.dlse != nullptr) {
     return Status::InvalidArgument("the cudnn backward takes no dlse (fold it into an extra value column)");
   }

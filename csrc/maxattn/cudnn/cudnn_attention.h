@@ -46,6 +46,24 @@ struct DeviceContext {
   std::function<void*(size_t bytes)> allocate;
 };
 
+// What support depends on besides the shape and options: the call as this
+// backend receives it (after the Python side folded masks into the bias and
+// completed the sequence lengths).
+struct CallFeatures {
+  DType dtype = DType::kBFloat16;
+  bool bias = false;            // a bias operand (the user's, or folded masks)
+  bool masked_by_bias = false;  // a dense mask or segment ids are folded into it
+  bool padding = false;         // sequence lengths
+  bool sink = false;            // sink logits
+};
+
+CallFeatures FeaturesOf(const AttentionInputs& inputs);
+
+// The one support decision of the cudnn backend: Ok, or Unimplemented with the
+// exact reason (python/maxattn/_src/backends/cudnn.py reports it through
+// _maxattn_cuda.unsupported_reason, and both entry points below check it).
+Status CheckSupported(const AttentionShape& shape, const AttentionOptions& options, const CallFeatures& features);
+
 // The effective cuDNN version at run time (cudnnGetVersion(), e.g. 91900).
 size_t RuntimeVersion();
 

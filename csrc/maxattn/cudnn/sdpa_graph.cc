@@ -1,5 +1,7 @@
 #include "maxattn/cudnn/sdpa_graph.h"
 
+#include "maxattn/cudnn/device_scope.h"
+
 #include <atomic>
 #include <cstring>
 #include <map>
@@ -224,24 +226,6 @@ std::vector<int64_t> Key(const GraphSpec& spec, int device) {
           spec.want_dbias, dropout_bits, spec.sink};
 }
 
-class CudaDeviceGuard {
- public:
-  explicit CudaDeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
-      switched_ = cudaSetDevice(device) == cudaSuccess;
-    }
-  }
-  ~CudaDeviceGuard() {
-    if (switched_) cudaSetDevice(previous_);
-  }
-  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
-  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-  bool switched_ = false;
-};
-
 struct HandleDeleter {
   void operator()(cudnnContext* h) const {
     if (h) cudnnDestroy(h);
@@ -266,8 +250,9 @@ class HandleLeaseImpl final : public HandleLease {
 
 }  // namespace
 
-Status PlanMasks(const AttentionShape& shape, const AttentionOptions& options, bool padding, bool has_bias,
+Status PlanMasks(const AttentionShape& shape, const AttentionOptions& options, const CallFeatures& features,
                  MaskPlan* plan) {
+  const bool padding = features.padding;
   MaskPlan m;
   m.padding = padding;
   if (options.causal) m.right_bound = 0;
@@ -278,7 +263,7 @@ Status PlanMasks(const AttentionShape& shape, const AttentionOptions& options, b
   const bool banded = m.left_bound || m.right_bound;
   if (banded && options.alignment == CausalAlignment::kBottomRight) {
     if (padding) {
-      if (has_bias || options.dropout_rate > 0.0f) {
+      if (features.bias || options.dropout_rate > 0.0f) {
         return Status::Unimplemented(
             "cuDNN does not support a bias, mask, segment ids or dropout together with bottom-right causal "
             "alignment and sequence lengths");
@@ -293,8 +278,9 @@ Status PlanMasks(const AttentionShape& shape, const AttentionOptions& options, b
   }
   if (m.right_bound && *m.right_bound < 0) {
     return Status::Unimplemented(
-        "cuDNN needs the causal/window right edge on or above the main diagonal (bottom-right alignment with "
-        "T > S, or a negative right bound, is not expressible)");
+        "bottom-right causal alignment with T=" + std::to_string(shape.q_len) + " > S=" +
+        std::to_string(shape.kv_len) + " leaves the first rows empty, which cuDNN cannot express without "
+        "sequence lengths (its causal/window right edge must be on or above the main diagonal)");
   }
   *plan = m;
   return Status::Ok();
@@ -331,7 +317,7 @@ Status HandleLease::Acquire(int device, cudaStream_t stream, std::unique_ptr<Han
     std::lock_guard<std::mutex> lock(*mutex);
     auto& slot = (*handles)[device];
     if (!slot) {
-      CudaDeviceGuard guard(device);
+      DeviceScope scope(device);
       cudnnHandle_t raw = nullptr;
       const cudnnStatus_t st = cudnnCreate(&raw);
       if (st != CUDNN_STATUS_SUCCESS) {

@@ -10,6 +10,7 @@
 #include <cudnn.h>
 
 #include "maxattn/attention.h"
+#include "maxattn/cudnn/cudnn_attention.h"
 
 namespace cudnn_frontend::graph {
 class Graph;
@@ -57,7 +58,7 @@ struct MaskPlan {
 
 // Translates causal/window/alignment into cuDNN's diagonal band. Returns
 // Unimplemented when cuDNN cannot express the combination.
-Status PlanMasks(const AttentionShape& shape, const AttentionOptions& options, bool padding, bool has_bias,
+Status PlanMasks(const AttentionShape& shape, const AttentionOptions& options, const CallFeatures& features,
                  MaskPlan* plan);
 
 struct GraphSpec {

@@ -2,84 +2,37 @@
 
 from __future__ import annotations
 
-import functools
-import warnings
 from typing import Literal, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
-from maxattn._src import backends, context_parallel as cp_lib, reference, sharding
-from maxattn._src.config import AttentionConfig, Operands, canonicalize, check_flags
+from maxattn._src import backends, reference, stack
+from maxattn._src.call import Call
+from maxattn._src.canonicalize import canonicalize, check_implementation
+from maxattn._src.warn import warn_once
 
 Implementation = Literal["cpu", "cudnn", "xla"]
 
-_warned: set[str] = set()
 
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
-def _choose_backend(implementation: Optional[str], config: AttentionConfig, ops: Operands) -> Optional[str]:
+def _choose_backend(implementation: Optional[str], call: Call) -> Optional[str]:
     """Returns the backend name, or None for the pure-JAX "xla" path."""
     if implementation == "xla":
         return None
     if implementation is not None:
-        reason = backends.unsupported_reason(implementation, config, ops)
+        reason = backends.unsupported_reason(implementation, call)
         if reason is not None:
             raise ValueError(f'implementation="{implementation}" cannot run this call: {reason}')
         return implementation
     preferred = backends.preferred_for_platform(jax.default_backend())
     if preferred is None:
         return None
-    reason = backends.unsupported_reason(preferred, config, ops)
+    reason = backends.unsupported_reason(preferred, call)
     if reason is None:
         return preferred
-    _warn_once(f'maxattn: falling back from "{preferred}" to "xla" (which materialises the T x S logits): {reason}')
+    warn_once(f'maxattn: falling back from "{preferred}" to "xla" (which materialises the T x S logits): {reason}',
+              stacklevel=4)
     return None
-
-
-@functools.cache
-def _fused(backend: str, config: AttentionConfig, want_lse: bool, want_max: bool, cp=None):
-    """A custom_vjp function (q, k, v, bias, sink_logits, rest) -> (out, lse, max_logit[B,N]).
-
-    rest = (mask, q_seq_lengths, kv_seq_lengths, q_segment_ids, kv_segment_ids,
-    dropout_seed): no gradient. sink_logits is differentiable (learnable sinks).
-    """
-    # Partitioning rules (DP/TP sharding, context parallelism) wrap every backend.
-    impl = sharding.partitioned(sharding.ReferenceBackend if backend == "xla" else backends.get(backend), cp)
-
-    def make_ops(q, k, v, bias, sink, rest):
-        return Operands(q, k, v, bias, *rest[:5], sink_logits=sink, dropout_seed=rest[5])
-
-    @jax.custom_vjp
-    def fused(q, k, v, bias, sink, rest):
-        return impl.forward(config, make_ops(q, k, v, bias, sink, rest), want_lse, want_max)
-
-    def fused_fwd(q, k, v, bias, sink, rest):
-        ops = make_ops(q, k, v, bias, sink, rest)
-        out, lse, mx = impl.forward(config, ops, True, want_max)
-        return (out, lse if want_lse else None, mx), (ops, out, lse)
-
-    def fused_bwd(residuals, cotangents):
-        ops, out, lse = residuals
-        dout, dlse, _ = cotangents  # max_logit carries no gradient
-        dq, dk, dv, dbias, *dsink = impl.backward(config, ops, out, lse, dout, dlse if want_lse else None)
-        if dbias is not None:
-            dbias = dbias.astype(ops.bias.dtype)
-        sink_ct = None
-        if ops.sink_logits is not None:
-            # Per-batch-row [B, N] from the backend; the sum over B (and, under
-            # sharding, over the batch shards) is the [N] gradient.
-            sink_ct = jnp.sum(dsink[0], axis=0).astype(ops.sink_logits.dtype)
-        rest_ct = jax.tree.map(lambda _: None, tuple(ops[4:9]) + (ops.dropout_seed,))
-        return dq, dk, dv, dbias, sink_ct, rest_ct
-
-    fused.defvjp(fused_fwd, fused_bwd)
-    return fused
 
 
 def dot_product_attention(
@@ -209,36 +162,34 @@ def dot_product_attention(
       ValueError / TypeError at trace time for invalid arguments, naming the
       argument and the rule.
     """
-    check_flags(implementation, return_max_logit, return_lse)
-    config, ops = canonicalize(
+    check_implementation(implementation)
+    call, cp = canonicalize(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         causal_alignment=causal_alignment, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, local_window_size=local_window_size,
         logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        softmax_type=softmax_type, sink_logits=sink_logits)
-    backend = _choose_backend(implementation, config, ops)
-    cp = cp_lib.make_spec(context_parallel, context_parallel_axis, load_balanced)
-    if cp is not None:
-        cp_lib.check_supported(cp, config, ops)
+        softmax_type=softmax_type, sink_logits=sink_logits, return_max_logit=return_max_logit,
+        return_lse=return_lse, context_parallel=context_parallel,
+        context_parallel_axis=context_parallel_axis, load_balanced=load_balanced)
+    backend = _choose_backend(implementation, call)
 
     if backend is None and cp is None:
-        out, lse, mx = reference.attention(config, ops)
+        out, lse, mx = reference.attention(call)
         lse = lse.astype(jnp.float32) if lse.dtype != jnp.float64 else lse
     else:
-        fused = _fused(backend or "xla", config, bool(return_lse), bool(return_max_logit), cp)
-        out, lse, mx = fused(ops.query, ops.key, ops.value, ops.bias, ops.sink_logits,
-                             tuple(ops[4:9]) + (ops.dropout_seed,))
+        out, lse, mx = stack.fused(backend or "xla", cp)(call)
 
-    if not (return_max_logit or return_lse):
+    options = call.options
+    if not (options.max_logit or options.lse):
         return out
     aux: dict[str, jax.Array] = {}
-    if return_max_logit:
+    if options.max_logit:
         # NaN-propagating max over the batch: XLA's CPU reduction may not propagate NaN.
         batch_max = jnp.max(mx, axis=0, initial=-jnp.inf)
         batch_max = jnp.where(jnp.any(jnp.isnan(mx), axis=0), jnp.nan, batch_max)
         aux["max_logit"] = jax.lax.stop_gradient(batch_max.astype(jnp.float32))
-    if return_lse:
+    if options.lse:
         aux["lse"] = lse
     return out, aux
 

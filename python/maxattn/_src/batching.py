@@ -1,10 +1,10 @@
-"""vmap support for the FFI backends by folding mapped axes into the batch.
+"""vmap support for the per-device backends by folding mapped axes into the batch.
 
-An FFI call sees only [B, ...] buffers. Under `jax.vmap` we fold the mapped
+A backend sees only [B, ...] buffers. Under `jax.vmap` we fold the mapped
 axis V into the batch axis (V*B), call the same function once, and unfold the
 results; max_logit is returned per (batch, head) by every backend, so each
 mapped instance keeps its own maximum after unfolding. Nested vmaps fold
-recursively.
+recursively. The role of each array's axis 0 comes from `call.FIELDS`.
 
 Operands without a batch axis (REPL: the per-head sink logits, the dropout
 seed) are passed through unchanged when they are not mapped. When one of them
@@ -15,48 +15,67 @@ with `jax.lax.map` (sequential over the mapped axis).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-# Roles of an operand's axis 0.
-BATCH = "batch"  # axis 0 is the batch B
-BCAST = "bcast"  # axis 0 is 1 (broadcast over the batch) or B
-REPL = "repl"    # no batch axis (same for every batch row)
+from maxattn._src.call import BATCH, BCAST, FIELDS, REPL, Call, Operands, Saved
 
 
-def _batched_spec(outs) -> tuple:
-    """custom_vmap's out_batched for `outs`: True per array, None for an absent (None)
-    output, so that the spec has the same tree structure as the values."""
-    return tuple(None if o is None else True for o in outs)
+def _present(call: Call, saved: Optional[Saved]) -> tuple[tuple[str, ...], list]:
+    """Names (prefixed "saved." for the backward inputs) and arrays of what is not None."""
+    names, arrays = [], []
+    for name, x in zip(call.operands._fields, call.operands):
+        if x is not None:
+            names.append(name)
+            arrays.append(x)
+    if saved is not None:
+        for name, x in zip(saved._fields, saved):
+            if x is not None:
+                names.append("saved." + name)
+                arrays.append(x)
+    return tuple(names), arrays
 
 
-def fold_into_batch(fn: Callable, in_roles: Sequence[str], out_reduce: Sequence[int | None]) -> Callable:
-    """Wraps `fn(*arrays) -> tuple of arrays` with a vmap rule that folds.
+def _rebuild(names: tuple[str, ...], arrays, saved_type) -> tuple[dict, Optional[Saved]]:
+    ops, sv = {}, {}
+    for name, a in zip(names, arrays):
+        if name.startswith("saved."):
+            sv[name[6:]] = a
+        else:
+            ops[name] = a
+    return ops, (saved_type(**sv) if saved_type is not None else None)
 
-    Args:
-      fn: takes len(in_roles) arrays (None allowed for absent operands) and
-        returns a tuple of arrays whose axis 0 is the batch.
-      in_roles: BATCH or BCAST for each argument. Argument 0 must be BATCH.
-      out_reduce: for each output, None (axis 0 is the batch) or the index of
-        a BCAST input whose axis-0 size the output takes (e.g. dbias is
-        summed over the batch when its bias was broadcast over it).
+
+def _role(name: str) -> str:
+    return FIELDS[name.removeprefix("saved.")].role
+
+
+def fold(fn: Callable[..., NamedTuple]) -> Callable[..., NamedTuple]:
+    """Wraps `fn(call[, saved]) -> result record` with a vmap rule that folds.
+
+    The result record's fields are arrays whose axis 0 is the batch, or None;
+    a BCAST result (dbias) takes the batch size of the operand of the same
+    role (the bias): it is summed over the folded batch when the bias was
+    broadcast over it.
     """
-    present_cache: dict[tuple[bool, ...], Callable] = {}
+    cache: dict[Any, Callable] = {}
 
-    def build(present: tuple[bool, ...]) -> Callable:
-        roles = [r for r, p in zip(in_roles, present) if p]
-        index = [i for i, p in enumerate(present) if p]
+    def build(options, names: tuple[str, ...], with_saved: bool) -> Callable:
+        roles = [_role(n) for n in names]
+        saved_type = Saved if with_saved else None
+        result_type: list = []
 
-        def call(*arrays):
-            full = [None] * len(in_roles)
-            for i, a in zip(index, arrays):
-                full[i] = a
-            return tuple(fn(*full))
+        def call_fn(*arrays):
+            ops, saved = _rebuild(names, arrays, saved_type)
+            res = fn(Call(options, Operands(**ops)), *(() if saved is None else (saved,)))
+            if not result_type:
+                result_type.append(type(res))
+            return tuple(res)
 
-        wrapped = custom_vmap(call)
+        wrapped = custom_vmap(call_fn)
 
         @wrapped.def_vmap
         def rule(axis_size, in_batched, *arrays):
@@ -73,9 +92,6 @@ def fold_into_batch(fn: Callable, in_roles: Sequence[str], out_reduce: Sequence[
             batch = first.shape[1] if in_batched[0] else first.shape[0]
             folded = []
             for a, batched, role in zip(arrays, in_batched, roles):
-                if a is None:
-                    folded.append(None)
-                    continue
                 if role == REPL:  # not mapped (else the lax.map path above)
                     folded.append(a)
                     continue
@@ -85,26 +101,44 @@ def fold_into_batch(fn: Callable, in_roles: Sequence[str], out_reduce: Sequence[
                 a = jnp.broadcast_to(a, (axis_size, batch) + rest)
                 folded.append(a.reshape((axis_size * batch,) + rest))
             outs = wrapped(*folded)
+            fields = result_type[0]._fields if result_type else (None,) * len(outs)
             unfolded = []
-            for o, reduce_from in zip(outs, out_reduce):
+            for o, field in zip(outs, fields):
                 if o is None:
                     unfolded.append(None)
                     continue
                 o = o.reshape((axis_size, batch) + o.shape[1:])
-                if reduce_from is not None:
-                    src = arrays[index.index(reduce_from)]
-                    size0 = src.shape[1] if in_batched[index.index(reduce_from)] else src.shape[0]
+                if field is not None and FIELDS[field].role == BCAST:
+                    # Summed over the batch when the operand it mirrors was broadcast over it.
+                    src = names.index("bias")
+                    size0 = arrays[src].shape[1] if in_batched[src] else arrays[src].shape[0]
                     if size0 == 1 and batch != 1:
                         o = jnp.sum(o, axis=1, keepdims=True)
                 unfolded.append(o)
             return tuple(unfolded), _batched_spec(unfolded)
 
-        return wrapped
+        def run(arrays):
+            return result_type_of(wrapped(*arrays))
 
-    def folded_fn(*arrays):
-        present = tuple(a is not None for a in arrays)
-        if present not in present_cache:
-            present_cache[present] = build(present)
-        return present_cache[present](*[a for a in arrays if a is not None])
+        def result_type_of(outs):
+            return result_type[0](*outs)
 
-    return folded_fn
+        return run
+
+    def folded(call: Call, saved: Optional[Saved] = None):
+        names, arrays = _present(call, saved)
+        key = (call.options, names, saved is not None)
+        if key not in cache:
+            cache[key] = build(call.options, names, saved is not None)
+        return cache[key](arrays)
+
+    return folded
+
+
+def _batched_spec(outs) -> tuple:
+    """custom_vmap's out_batched for `outs`: True per array, None for an absent (None)
+    output, so that the spec has the same tree structure as the values."""
+    return tuple(None if o is None else True for o in outs)
+
+
+__all__ = ["fold", "BATCH", "BCAST", "REPL"]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxattn._src.config import AttentionConfig, Operands
+from maxattn._src.call import Call
 
 
 def same_segment(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> jax.Array:
@@ -21,28 +21,29 @@ def same_segment(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> jax.Arr
     return (qs == ks) & (qs != 0)
 
 
-def visibility(config: AttentionConfig, ops: Operands) -> jax.Array:
+def visibility(call: Call) -> jax.Array:
     """Boolean [B|1, N|1, T, S] array: which (query, key) pairs are visible."""
+    ops, mask = call.operands, call.options.mask
     B, T, N, _ = ops.query.shape
     S = ops.key.shape[1]
     i = jnp.arange(T, dtype=jnp.int32)[:, None]
     j = jnp.arange(S, dtype=jnp.int32)[None, :]
-    q_valid = ops.q_seq_lengths if config.has_q_seq_lengths else jnp.full((B,), T, jnp.int32)
-    kv_valid = ops.kv_seq_lengths if config.has_kv_seq_lengths else jnp.full((B,), S, jnp.int32)
+    q_valid = ops.q_seq_lengths if ops.q_seq_lengths is not None else jnp.full((B,), T, jnp.int32)
+    kv_valid = ops.kv_seq_lengths if ops.kv_seq_lengths is not None else jnp.full((B,), S, jnp.int32)
     q_valid = q_valid[:, None, None, None]
     kv_valid = kv_valid[:, None, None, None]
     # Diagonal offset: 0 for top-left, kv_valid - q_valid for bottom-right.
-    d = kv_valid - q_valid if config.bottom_right else jnp.zeros_like(q_valid)
+    d = kv_valid - q_valid if mask.bottom_right else jnp.zeros_like(q_valid)
     vis = (i < q_valid) & (j < kv_valid)
-    if config.is_causal:
+    if mask.causal:
         vis &= j <= i + d
-    if config.window_left >= 0:
-        vis &= j >= i + d - config.window_left
-    if config.window_right >= 0:
-        vis &= j <= i + d + config.window_right
-    if config.has_segment_ids:
+    if mask.window_left >= 0:
+        vis &= j >= i + d - mask.window_left
+    if mask.window_right >= 0:
+        vis &= j <= i + d + mask.window_right
+    if ops.q_segment_ids is not None:
         vis &= same_segment(ops.q_segment_ids, ops.kv_segment_ids)
-    if config.has_mask:
+    if ops.mask is not None:
         vis &= ops.mask
     return vis
 
@@ -85,8 +86,9 @@ def dropout_scale(rate: float) -> np.float32:
     return np.float32(1) / (np.float32(1) - np.float32(rate))
 
 
-def dropout_keep(config: AttentionConfig, ops: Operands) -> jax.Array:
-    """Boolean [B, N, T, S]: keep(b, n, i, j) of csrc/maxattn/dropout.h for ops.dropout_seed."""
+def dropout_keep(call: Call) -> jax.Array:
+    """Boolean [B, N, T, S]: keep(b, n, i, j) of csrc/maxattn/dropout.h for the call's dropout seed."""
+    ops = call.operands
     B, T, N, _ = ops.query.shape
     S = ops.key.shape[1]
     u = jnp.uint32
@@ -100,23 +102,24 @@ def dropout_keep(config: AttentionConfig, ops: Operands) -> jax.Array:
     words = philox4x32_10(c0, c1, c2, c3, jnp.full(shape, seed[0], u), jnp.full(shape, seed[1], u))
     w = jnp.broadcast_to(j & u(3), shape)
     bits = jnp.where(w == 0, words[0], jnp.where(w == 1, words[1], jnp.where(w == 2, words[2], words[3])))
-    return bits >= u(dropout_threshold(config.dropout_rate))
+    return bits >= u(dropout_threshold(call.options.dropout_rate))
 
 
-def raw_logits(config: AttentionConfig, ops: Operands) -> jax.Array:
+def raw_logits(call: Call) -> jax.Array:
     """scale * q.k + bias as [B, N, T, S] in at least float32 (pre-softcap)."""
+    ops = call.operands
     q, k = ops.query, ops.key
     N, K = q.shape[2], k.shape[2]
     ct = jnp.promote_types(q.dtype, jnp.float32)
     k = jnp.repeat(k, N // K, axis=2) if K else k
     s = jnp.einsum("btnh,bsnh->bnts", q.astype(ct), k.astype(ct),
-                   precision=jax.lax.Precision.HIGHEST) * jnp.asarray(config.scale, ct)
-    if config.has_bias:
+                   precision=jax.lax.Precision.HIGHEST) * jnp.asarray(call.options.scale, ct)
+    if ops.bias is not None:
         s = s + ops.bias.astype(ct)
     return s
 
 
-def attention(config: AttentionConfig, ops: Operands) -> tuple[jax.Array, jax.Array, jax.Array]:
+def attention(call: Call) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns (out [B,T,N,Hv] input dtype, lse [B,N,T] f32+, max_logit [B,N] f32+).
 
     max_logit here is per (batch, head); the public API reduces it over B.
@@ -126,11 +129,12 @@ def attention(config: AttentionConfig, ops: Operands) -> tuple[jax.Array, jax.Ar
     with dropout the normalised probabilities are multiplied by
     keep / (1 - rate) (dropout_keep) before the product with v.
     """
+    ops, options = call.operands, call.options
     q, v = ops.query, ops.value
     N, K = q.shape[2], v.shape[2]
     ct = jnp.promote_types(q.dtype, jnp.float32)
-    s = raw_logits(config, ops)
-    vis = jnp.broadcast_to(visibility(config, ops), s.shape)
+    s = raw_logits(call)
+    vis = jnp.broadcast_to(visibility(call), s.shape)
     neg_inf = jnp.asarray(-jnp.inf, ct)
 
     s_vis = jnp.where(vis, jax.lax.stop_gradient(s), neg_inf)
@@ -138,7 +142,7 @@ def attention(config: AttentionConfig, ops: Operands) -> tuple[jax.Array, jax.Ar
     # NaN propagates explicitly: XLA:CPU's max reduction may drop NaN (fast min/max).
     max_logit = jnp.where(jnp.any(jnp.isnan(s_vis), axis=(2, 3)), jnp.asarray(jnp.nan, ct), max_logit)
 
-    logits = config.softcap * jnp.tanh(s / config.softcap) if config.softcap else s
+    logits = options.softcap * jnp.tanh(s / options.softcap) if options.softcap else s
     masked = jnp.where(vis, logits, neg_inf)
     row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True, initial=-jnp.inf))
     sink = None
@@ -153,9 +157,9 @@ def attention(config: AttentionConfig, ops: Operands) -> tuple[jax.Array, jax.Ar
     empty = denom == 0
     safe_denom = jnp.where(empty, jnp.ones_like(denom), denom)
     weights = p / safe_denom
-    if config.dropout_rate > 0:
-        keep = dropout_keep(config, ops)
-        weights = jnp.where(keep, weights * jnp.asarray(dropout_scale(config.dropout_rate), ct), 0)
+    if options.dropout_rate > 0:
+        keep = dropout_keep(call)
+        weights = jnp.where(keep, weights * jnp.asarray(dropout_scale(options.dropout_rate), ct), 0)
     v_full = jnp.repeat(v, N // K, axis=2) if K else v
     out = jnp.einsum("bnts,bsnh->btnh", weights, v_full.astype(ct), precision=jax.lax.Precision.HIGHEST)
     lse = jnp.where(empty, neg_inf, jnp.log(safe_denom) + row_max)[..., 0]

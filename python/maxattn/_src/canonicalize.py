@@ -1,98 +1,29 @@
-"""Argument checking and canonicalisation shared by every backend.
+"""Argument checking and canonicalisation: the public arguments -> one `Call`.
 
-`canonicalize` turns the public arguments of `dot_product_attention` into a
-hashable `AttentionConfig` (static options) and an `Operands` tuple (arrays in
-canonical form: bias and mask rank 4, integers int32). Every user error is
-raised here, at trace time, as ValueError/TypeError naming the argument.
+`canonicalize` turns the arguments of `dot_product_attention` into the call
+record (call.py): static `Options` and `Operands` in canonical form (bias and
+mask rank 4, integers int32, the dropout key as Philox words, the sink logits
+of "off_by_one" as zeros), plus the `ContextParallel` value. Every user error
+is raised here, at trace time, as ValueError/TypeError naming the argument:
+this module owns the user-facing rules; backends only say what they cannot run.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxattn._src.call import Alignment, Call, Mask, Operands, Options, SoftmaxType
+from maxattn._src.cp import spec as cp_spec
+
 IMPLEMENTATIONS = ("cpu", "cudnn", "xla")
-ALIGNMENTS = ("top_left", "bottom_right")
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-SOFTMAX_TYPES = ("vanilla", "off_by_one", "learnable")
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """Static (hashable) options of one attention call, after canonicalisation.
-
-    Window bounds are -1 when unbounded; softcap is 0.0 when absent.
-    dropout_rate is 0.0 without dropout (then there is no dropout seed operand);
-    softmax_type is "vanilla", "off_by_one" (the sink_logits operand holds
-    zeros) or "learnable" (sink_logits given by the caller, differentiable).
-    """
-
-    scale: float
-    is_causal: bool
-    bottom_right: bool
-    window_left: int
-    window_right: int
-    softcap: float
-    has_bias: bool
-    has_mask: bool
-    has_q_seq_lengths: bool
-    has_kv_seq_lengths: bool
-    has_segment_ids: bool
-    dropout_rate: float = 0.0
-    softmax_type: str = "vanilla"
-
-    @property
-    def has_dropout(self) -> bool:
-        return self.dropout_rate > 0.0
-
-    @property
-    def has_sink(self) -> bool:
-        return self.softmax_type != "vanilla"
-
-    def ffi_attributes(self) -> dict[str, Any]:
-        """The attributes every FFI target takes (see csrc/ffi/decode.h)."""
-        return dict(
-            scale=np.float32(self.scale),
-            is_causal=bool(self.is_causal),
-            bottom_right=bool(self.bottom_right),
-            window_left=np.int64(self.window_left),
-            window_right=np.int64(self.window_right),
-            softcap=np.float32(self.softcap),
-            has_bias=bool(self.has_bias),
-            has_mask=bool(self.has_mask),
-            has_q_seq_lengths=bool(self.has_q_seq_lengths),
-            has_kv_seq_lengths=bool(self.has_kv_seq_lengths),
-            has_segment_ids=bool(self.has_segment_ids),
-            dropout_rate=np.float32(self.dropout_rate),
-        )
-
-
-class Operands(NamedTuple):
-    """Arrays of one call in canonical form. Absent optional operands are None.
-
-    query [B, T, N, H], key [B, S, K, H], value [B, S, K, Hv] (one float dtype);
-    bias [b', n', t', s'] (each dim 1 or full, float); mask likewise, bool;
-    q_seq_lengths / kv_seq_lengths int32 [B]; q/kv_segment_ids int32 [B, T] / [B, S].
-    """
-
-    query: jax.Array
-    key: jax.Array
-    value: jax.Array
-    bias: Optional[jax.Array] = None
-    mask: Optional[jax.Array] = None
-    q_seq_lengths: Optional[jax.Array] = None
-    kv_seq_lengths: Optional[jax.Array] = None
-    q_segment_ids: Optional[jax.Array] = None
-    kv_segment_ids: Optional[jax.Array] = None
-    sink_logits: Optional[jax.Array] = None   # float32 [N] iff softmax_type != "vanilla"
-    dropout_seed: Optional[jax.Array] = None  # uint32 [4] iff dropout_rate > 0 (see csrc/maxattn/dropout.h)
-
-
+_ALIGNMENTS = tuple(a.value for a in Alignment)
+_SOFTMAX_TYPES = tuple(t.value for t in SoftmaxType)
 
 
 def _as_array(x: Any, name: str) -> jax.Array:
@@ -145,12 +76,9 @@ def _window(local_window_size: Any) -> tuple[int, int]:
     return left, right
 
 
-def check_flags(implementation: Any, return_max_logit: Any, return_lse: Any) -> None:
-    """Checks the options that do not depend on arrays."""
+def check_implementation(implementation: Any) -> None:
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"`implementation` must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-    _check_bool(return_max_logit, "return_max_logit")
-    _check_bool(return_lse, "return_lse")
 
 
 def _dropout(dropout_rate: Any, dropout_rng: Any) -> tuple[float, Optional[jax.Array]]:
@@ -179,8 +107,8 @@ def _dropout(dropout_rate: Any, dropout_rng: Any) -> tuple[float, Optional[jax.A
 
 
 def _softmax_type(softmax_type: Any, sink_logits: Any, N: int) -> Optional[jax.Array]:
-    if softmax_type not in SOFTMAX_TYPES:
-        raise ValueError(f"`softmax_type` must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
+    if softmax_type not in _SOFTMAX_TYPES:
+        raise ValueError(f"`softmax_type` must be one of {_SOFTMAX_TYPES}, got {softmax_type!r}")
     if softmax_type != "learnable":
         if sink_logits is not None:
             raise ValueError(f'`sink_logits` is only used with softmax_type="learnable", got '
@@ -203,8 +131,11 @@ def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any =
                  kv_segment_ids: Any = None, local_window_size: Any = None,
                  logits_soft_cap: Optional[float] = None, dropout_rate: Any = 0.0,
                  dropout_rng: Any = None, softmax_type: Any = "vanilla",
-                 sink_logits: Any = None) -> tuple[AttentionConfig, Operands]:
-    """Validates the public arguments; returns the static config and canonical operands."""
+                 sink_logits: Any = None, return_max_logit: Any = False, return_lse: Any = False,
+                 context_parallel: Any = None, context_parallel_axis: Any = None,
+                 load_balanced: Any = False) -> tuple[Call, Optional[cp_spec.ContextParallel]]:
+    """Validates the public arguments; returns the call record and the context parallelism
+    (None when not requested; its support for this call is checked here too)."""
     q = _as_array(query, "query")
     k = _as_array(key, "key")
     v = _as_array(value, "value")
@@ -263,8 +194,8 @@ def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any =
         if not math.isfinite(scale_value):
             raise ValueError(f"`scale` must be finite, got {scale_value}")
     causal = _check_bool(is_causal, "is_causal")
-    if causal_alignment not in ALIGNMENTS:
-        raise ValueError(f"`causal_alignment` must be one of {ALIGNMENTS}, got {causal_alignment!r}")
+    if causal_alignment not in _ALIGNMENTS:
+        raise ValueError(f"`causal_alignment` must be one of {_ALIGNMENTS}, got {causal_alignment!r}")
     left, right = _window(local_window_size)
     cap = 0.0
     if logits_soft_cap is not None:
@@ -277,10 +208,13 @@ def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any =
     rate, seed = _dropout(dropout_rate, dropout_rng)
     sink = _softmax_type(softmax_type, sink_logits, N)
 
-    config = AttentionConfig(
-        scale=scale_value, is_causal=causal, bottom_right=causal_alignment == "bottom_right",
-        window_left=left, window_right=right, softcap=cap, has_bias=b is not None,
-        has_mask=m is not None, has_q_seq_lengths=qlen is not None,
-        has_kv_seq_lengths=kvlen is not None, has_segment_ids=qseg is not None,
-        dropout_rate=rate, softmax_type=softmax_type)
-    return config, Operands(q, k, v, b, m, qlen, kvlen, qseg, kvseg, sink, seed)
+    options = Options(
+        scale=scale_value,
+        mask=Mask(causal=causal, alignment=Alignment(causal_alignment), window_left=left, window_right=right),
+        softcap=cap, dropout_rate=rate, softmax=SoftmaxType(softmax_type),
+        lse=_check_bool(return_lse, "return_lse"), max_logit=_check_bool(return_max_logit, "return_max_logit"))
+    call = Call(options, Operands(q, k, v, b, m, qlen, kvlen, qseg, kvseg, sink, seed))
+    cp = cp_spec.make_spec(context_parallel, context_parallel_axis, load_balanced)
+    if cp is not None:
+        cp_spec.check_supported(cp, call)
+    return call, cp

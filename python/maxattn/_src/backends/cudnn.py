@@ -1,0 +1,160 @@
+"""The "cudnn" backend: cuDNN fused SDPA (cudnn-frontend graphs) through XLA FFI.
+
+The C++ side (csrc/maxattn/cudnn/, csrc/ffi/cuda_handlers.cc) requests the
+softmax row maxima from inside the fused kernel and reduces them to
+max_logit[B, N] on the GPU; with cuDNN < 9.21 it asks for {Max, Sum_exp}
+and forms lse = Max + log(Sum_exp) in a small kernel. A call that needs
+neither lse nor max_logit runs the plain graph. Whether cuDNN can run a call
+is decided by the C++ planner (`cudnn::CheckSupported`), which this module
+asks through the extension, so the refusal reason and the kernel agree.
+
+Arranged here before the FFI call (`_as_cudnn_sees_it`):
+  * bias in the input dtype, broadcast to [b', n', T, S] (cuDNN broadcasts
+    only over batch and heads); dbias comes back in the input dtype and is
+    summed over the axes we broadcast;
+  * a dense boolean mask and segment ids are folded into that bias (entries
+    they remove get the dtype's lowest finite value; the C++ side finds rows
+    left with no key from the softmax statistics). This costs a [b', n', T, S]
+    bias in memory and bandwidth, unlike the CPU backend;
+  * q/kv sequence lengths given together (a missing one is the full length);
+  * a non-zero lse cotangent: cuDNN's backward has no input for it, so it is
+    folded into an extra value column: with o' = [o, -dlse], do' = [do, 1] and
+    v' = [v, 0], cuDNN's D = rowsum(do' * o') becomes rowsum(do * o) - dlse,
+    which is exactly the lse term of the softmax gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from maxattn._src import reference
+from maxattn._src.backends import ffi
+from maxattn._src.call import Call, Fwd, Grads, Saved
+
+FWD_TARGET = "maxattn_attention_fwd_cuda"
+BWD_TARGET = "maxattn_attention_bwd_cuda"
+_DLSE_COLUMNS = 8  # cuDNN head dims are multiples of 8
+
+
+@functools.cache
+def _has_gpu() -> bool:
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def module():
+    """(module, None) or (None, reason). Imported only once JAX's GPU backend
+    is up, so that libcudnn.so.9 is already loaded by the CUDA plugin."""
+    if not _has_gpu():
+        return None, "JAX has no GPU backend (the cudnn backend needs a CUDA GPU)"
+    try:
+        from maxattn import _maxattn_cuda  # type: ignore[attr-defined]
+    except ImportError as e:
+        return None, f"the CUDA extension module could not be imported ({e}); build with MAXATTN_CUDA=ON"
+    for name, capsule in _maxattn_cuda.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    return _maxattn_cuda, None
+
+
+def cudnn_version() -> Optional[int]:
+    """The loaded cuDNN version (e.g. 91900), or None without the module."""
+    mod, _ = module()
+    return None if mod is None else int(mod.cudnn_version())
+
+
+def _folded_bias(call: Call) -> Optional[jax.Array]:
+    """The bias cuDNN sees: the user's bias (input dtype) with the dense mask and
+    segment ids folded in, broadcast to [b', n', T, S]; None without any of them."""
+    ops = call.operands
+    q = ops.query
+    bias = None if ops.bias is None else ops.bias.astype(q.dtype)
+    keep = ops.mask
+    if ops.q_segment_ids is not None:
+        seg = reference.same_segment(ops.q_segment_ids, ops.kv_segment_ids)
+        keep = seg if keep is None else keep & seg
+    if keep is not None:
+        lowest = jnp.asarray(jnp.finfo(q.dtype).min, q.dtype)
+        bias = jnp.where(keep, jnp.zeros((), q.dtype) if bias is None else bias, lowest)
+    if bias is None:
+        return None
+    return jnp.broadcast_to(bias, bias.shape[:2] + (call.q_len, call.kv_len))
+
+
+def _as_cudnn_sees_it(call: Call) -> Call:
+    """The call in cuDNN's conventions (see the module docstring). Mask and segment
+    ids stay as operands: their presence tells the C++ side a row may lose every key."""
+    ops = call.operands
+    qlen, kvlen = ops.q_seq_lengths, ops.kv_seq_lengths
+    if (qlen is None) != (kvlen is None):
+        qlen = jnp.full((call.batch,), call.q_len, jnp.int32) if qlen is None else qlen
+        kvlen = jnp.full((call.batch,), call.kv_len, jnp.int32) if kvlen is None else kvlen
+    sink = None if ops.sink_logits is None else ops.sink_logits.astype(jnp.float32)
+    return call.replace(bias=_folded_bias(call), q_seq_lengths=qlen, kv_seq_lengths=kvlen, sink_logits=sink)
+
+
+class CudnnBackend:
+    name = "cudnn"
+
+    def unsupported_reason(self, call: Call) -> Optional[str]:
+        mod, reason = module()
+        if reason is not None:
+            return reason
+        ops = call.operands
+        masked = ops.mask is not None or ops.q_segment_ids is not None  # folded into the bias
+        attrs = {k: v.item() if hasattr(v, "item") else v for k, v in call.options.ffi_attributes().items()}
+        return mod.unsupported_reason(
+            (call.batch, call.q_len, call.kv_len, call.num_heads, call.num_kv_heads, ops.query.shape[3],
+             ops.value.shape[3]), str(ops.query.dtype), **attrs,
+            bias=ops.bias is not None or masked, masked_by_bias=masked,
+            padding=ops.q_seq_lengths is not None or ops.kv_seq_lengths is not None,
+            sink=ops.sink_logits is not None)
+
+    def forward(self, call: Call) -> Fwd:
+        module()
+        prepared = _as_cudnn_sees_it(call)
+        out, lse, mx = jax.ffi.ffi_call(FWD_TARGET, ffi.forward_result_types(call))(
+            *ffi.operand_list(prepared.operands), **call.options.ffi_attributes())
+        return Fwd(out, lse if call.options.lse else None, mx if call.options.max_logit else None)
+
+    def backward(self, call: Call, saved: Saved) -> Grads:
+        module()
+        ops = call.operands
+        q, v = ops.query, ops.value
+        dtype, Hv = q.dtype, v.shape[3]
+        out, dout = saved.out, saved.dout.astype(dtype)
+        if saved.dlse is not None:
+            # Fold the lse cotangent into an extra value column (see the module docstring).
+            B, T, N, _ = q.shape
+            col = -jnp.transpose(saved.dlse.astype(jnp.float32), (0, 2, 1))[..., None]  # [B, T, N, 1]
+            pad_o = jnp.concatenate([col, jnp.zeros((B, T, N, _DLSE_COLUMNS - 1), jnp.float32)], -1).astype(dtype)
+            pad_do = jnp.zeros((B, T, N, _DLSE_COLUMNS), dtype).at[..., 0].set(1)
+            out = jnp.concatenate([out, pad_o], -1)
+            dout = jnp.concatenate([dout, pad_do], -1)
+            call = call.replace(value=jnp.concatenate([v, jnp.zeros(v.shape[:3] + (_DLSE_COLUMNS,), dtype)], -1))
+        prepared = _as_cudnn_sees_it(call)
+        bias = prepared.operands.bias
+        want_dbias = ops.bias is not None
+        dq, dk, dv, dbias, dsink = jax.ffi.ffi_call(
+            BWD_TARGET, ffi.backward_result_types(call, bias.shape if want_dbias else None, dtype))(
+            *ffi.operand_list(prepared.operands), *ffi.saved_list(Saved(out, saved.lse, dout, None)),
+            **call.options.ffi_attributes())
+        dv = dv[..., :Hv]
+        if want_dbias:
+            # cuDNN's dbias has the folded bias's shape; sum it over the axes the user's bias broadcasts.
+            axes = tuple(a for a in range(4) if ops.bias.shape[a] == 1 and dbias.shape[a] != 1)
+            dbias = dbias.astype(jnp.float32)
+            if axes:
+                dbias = jnp.sum(dbias, axis=axes, keepdims=True)
+        else:
+            dbias = None
+        return Grads(dq, dk, dv, dbias, dsink if ops.sink_logits is not None else None)
+
+
+BACKEND = CudnnBackend()
