@@ -11,7 +11,8 @@ from maxattn._src.api import dot_product_attention as dot_product_attention
 from maxattn._src.api import reference_attention as reference
 from maxattn._src.load_balance import inverse_reorder_for_load_balancing as inverse_reorder_for_load_balancing
 from maxattn._src.load_balance import reorder_for_load_balancing as reorder_for_load_balancing
+from maxattn._src.info import show_config as show_config
 
 __all__ = ["dot_product_attention", "reference", "reorder_for_load_balancing",
-           "inverse_reorder_for_load_balancing"]
+           "inverse_reorder_for_load_balancing", "show_config"]
 __version__ = "0.1.0"

@@ -234,8 +234,25 @@ def parse_args(argv: Optional[list] = None):
     return args
 
 
+def _missing_demo_extras() -> list:
+    """The demo's optional dependencies (the ``demo`` extra) that cannot be imported."""
+    import importlib
+    missing = []
+    for name in ("flax", "optax", "matplotlib", "tqdm"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def main(argv: Optional[list] = None) -> int:
     args = parse_args(argv)
+    missing = _missing_demo_extras()
+    if missing:
+        print(f"maxattn-demo needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+              f"not installed: pip install \"maxattn[demo]\"", file=sys.stderr)
+        return 1
     import warnings
 
     import jax
