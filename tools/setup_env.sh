@@ -22,7 +22,20 @@ if [ ! -x .venv/bin/python ]; then
 fi
 pip=".venv/bin/python -m pip"
 $pip install -q --upgrade pip
+# The cuDNN module is built where this machine has an NVIDIA GPU (MAXATTN_CUDA=AUTO); elsewhere
+# (CI, laptops) only the CPU module, since tools/cuda_build_check.sh compile-checks the cuDNN one.
+# Set MAXATTN_CUDA=ON / AUTO / OFF to choose.
+if [ -z "${MAXATTN_CUDA:-}" ]; then
+  if [ -e /proc/driver/nvidia/version ] || command -v nvidia-smi >/dev/null 2>&1; then
+    MAXATTN_CUDA=AUTO
+  else
+    MAXATTN_CUDA=OFF
+  fi
+fi
+export MAXATTN_CUDA
 # Build requirements first, so the package builds without isolation (one jax download, not two).
-$pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" "jax>=0.10" "jaxlib>=0.10" cmake ninja
+reqs=("scikit-build-core>=0.11" "nanobind>=2.4" "jax>=0.10" "jaxlib>=0.10" cmake ninja)
+[ "$MAXATTN_CUDA" != OFF ] && reqs+=("nvidia-cudnn-frontend>=1.32")
+$pip install -q "${reqs[@]}"
 $pip install -q --no-build-isolation ".[${extras}]"
-echo "[setup] installed maxattn[${extras}] into .venv"
+echo "[setup] installed maxattn[${extras}] into .venv (MAXATTN_CUDA=$MAXATTN_CUDA)"
