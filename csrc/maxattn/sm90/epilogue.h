@@ -41,8 +41,14 @@ __device__ __forceinline__ void AtomicMaxFloat(float* address, float value) {
   }
 }
 
-__device__ __forceinline__ void ConsumerBarrierSync(int num_threads) {
-  asm volatile("bar.sync 1, %0;" ::"r"(num_threads) : "memory");
+// Named barriers among the consumer warpgroups: 1 for the epilogue's
+// max_logit reduction, 2 and 3 for the ping-pong turns (mainloop_consumer.h).
+__device__ __forceinline__ void NamedBarrierSync(int id, int num_threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
+
+__device__ __forceinline__ void NamedBarrierArrive(int id, int num_threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
 
 template <class Config>
@@ -94,7 +100,7 @@ struct Epilogue {
       thread_max = NanMax(thread_max, __shfl_xor_sync(0xffffffffu, thread_max, offset));
     }
     if (lane == 0) warp_max[consumer_tid / 32] = thread_max;
-    ConsumerBarrierSync(Config::kConsumerThreads);
+    NamedBarrierSync(1, Config::kConsumerThreads);
     if (consumer_tid == 0) {
       float m = warp_max[0];
       CUTE_UNROLL

@@ -2,8 +2,5 @@
 // instances compile in parallel).
 #include "maxattn/sm90/fwd_kernel.h"
 
-MAXATTN_SM90_INSTANTIATE_FORWARD(128, cutlass::bfloat16_t, true);
-MAXATTN_SM90_INSTANTIATE_FORWARD(128, cutlass::half_t, true);
-// Experiment: the plain (non-overlapped) consumer loop, MAXATTN_SM90_VARIANT=plain.
-MAXATTN_SM90_INSTANTIATE_FORWARD(128, cutlass::bfloat16_t, false);
-MAXATTN_SM90_INSTANTIATE_FORWARD(128, cutlass::half_t, false);
+MAXATTN_SM90_INSTANTIATE_FORWARD(128, cutlass::bfloat16_t, maxattn::sm90::kOverlap);
+MAXATTN_SM90_INSTANTIATE_FORWARD(128, cutlass::half_t, maxattn::sm90::kOverlap);

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
-    ConsumerMainloop<Config>::template Run<Config::kOverlap>(p.args, smem, pipe_k, pipe_v, tile, mask, n_lo, n_hi,
+    ConsumerMainloop<Config>::template Run<Config::kVariant>(p.args, smem, pipe_k, pipe_v, tile, mask, n_lo, n_hi,
                                   static_cast<int>(threadIdx.x) - 128);
   }
 #endif
@@ -71,10 +71,10 @@ inline Status CudaStatus(cudaError_t err, const char* what) {
                           cudaGetErrorString(err) + ")");
 }
 
-template <int kHeadDim, class Element, bool kOverlap>
+template <int kHeadDim, class Element, int kVariant>
 Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const void* v, cudaStream_t stream) {
   using namespace cute;
-  using Config = FwdConfig<kHeadDim, Element, kOverlap>;
+  using Config = FwdConfig<kHeadDim, Element, kVariant>;
   auto gmem = [](const void* ptr, int len, int heads, int batch) {
     const int64_t row = static_cast<int64_t>(heads) * kHeadDim;
     return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
@@ -103,8 +103,8 @@ Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const vo
 
 }  // namespace maxattn::sm90
 
-#define MAXATTN_SM90_INSTANTIATE_FORWARD(H, ELEMENT, OVERLAP)                                 \
-  template ::maxattn::Status maxattn::sm90::LaunchForward<H, ELEMENT, OVERLAP>(                  \
+#define MAXATTN_SM90_INSTANTIATE_FORWARD(H, ELEMENT, VARIANT)                                 \
+  template ::maxattn::Status maxattn::sm90::LaunchForward<H, ELEMENT, VARIANT>(                  \
       const FwdArgs&, const void*, const void*, const void*, cudaStream_t)
 
 #endif  // MAXATTN_SM90_FWD_KERNEL_H_

@@ -20,11 +20,15 @@
 
 namespace maxattn::sm90 {
 
-template <int kHeadDim_, class Element_, bool kOverlap_ = true>
+// Consumer loop variants: kPlain (S, softmax, PV in order), kOverlap (the
+// softmax of one key block overlaps P V of the previous), kPingPong (kOverlap,
+// and the two consumer warpgroups take turns issuing their GEMMs).
+enum ConsumerVariant : int { kPlain = 0, kOverlap = 1, kPingPong = 2 };
+
+template <int kHeadDim_, class Element_, int kVariant_ = kOverlap>
 struct FwdConfig {
   using Element = Element_;
-  // Consumers overlap the softmax of one key block with P V of the previous.
-  static constexpr bool kOverlap = kOverlap_;
+  static constexpr int kVariant = kVariant_;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
 

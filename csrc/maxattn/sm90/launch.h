@@ -10,7 +10,7 @@
 
 namespace maxattn::sm90 {
 
-template <int kHeadDim, class Element, bool kOverlap>
+template <int kHeadDim, class Element, int kVariant>
 Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const void* v, cudaStream_t stream);
 
 }  // namespace maxattn::sm90

@@ -56,7 +56,7 @@ struct ConsumerMainloop {
   using Pipeline = typename Config::Pipeline;
   using PipelineState = typename Config::PipelineState;
 
-  template <bool kOverlap>
+  template <int kVariant>
   __device__ static void Run(const FwdArgs& args, SharedStorage& smem, Pipeline& pipe_k, Pipeline& pipe_v,
                              const Tile& tile, const BlockMask& mask, int n_lo, int n_hi, int consumer_tid) {
     using namespace cute;
@@ -98,7 +98,7 @@ struct ConsumerMainloop {
       smem.barrier_q.wait(0);
       cutlass::NumericArrayConverter<Element, float, 2> convert;
       float correction[kRows];
-      if constexpr (!kOverlap) {
+      if constexpr (kVariant == kPlain) {
         // Plain order: S, softmax, PV, one block at a time.
         PipelineState state;
         for (int nb = n_hi - 1; nb >= n_lo; --nb) {
@@ -123,10 +123,22 @@ struct ConsumerMainloop {
         // Intra-warpgroup overlap: the softmax of block n runs while the
         // tensor cores do P V of block n+1. O is rescaled only after that
         // GEMM has retired, and P is overwritten only then.
+        // kPingPong: named barriers 2 + w say "warpgroup w may issue its
+        // GEMMs"; each warpgroup waits for its turn, issues, and hands the
+        // turn to the other. Warpgroup 1 opens the first turn for warpgroup 0
+        // and skips handing over after its last GEMM, so the arrivals on each
+        // barrier match its waits.
+        constexpr bool kTurns = kVariant == kPingPong;
+        const int wg = consumer_tid / 128;
+        if constexpr (kTurns) {
+          if (wg == 1) NamedBarrierArrive(2, Config::kConsumerThreads);
+        }
         PipelineState state_k, state_v;
         int nb = n_hi - 1;
         pipe_k.consumer_wait(state_k);
+        if constexpr (kTurns) NamedBarrierSync(2 + wg, Config::kConsumerThreads);
         IssueGemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, state_k.index()), tSrS);
+        if constexpr (kTurns) NamedBarrierArrive(3 - wg, Config::kConsumerThreads);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
         pipe_k.consumer_release(state_k);
@@ -138,9 +150,11 @@ struct ConsumerMainloop {
         ConvertP(tSrS, tOrP, convert);
         for (nb = n_hi - 2; nb >= n_lo; --nb) {
           pipe_k.consumer_wait(state_k);
-          IssueGemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, state_k.index()), tSrS);
           pipe_v.consumer_wait(state_v);
+          if constexpr (kTurns) NamedBarrierSync(2 + wg, Config::kConsumerThreads);
+          IssueGemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, state_k.index()), tSrS);
           IssueGemm<false, true>(mma_o, tOrP, tOrV(_, _, _, state_v.index()), tOrO);
+          if constexpr (kTurns) NamedBarrierArrive(3 - wg, Config::kConsumerThreads);
           warpgroup_wait<1>();
           warpgroup_fence_operand(tSrS);
           pipe_k.consumer_release(state_k);
@@ -157,7 +171,11 @@ struct ConsumerMainloop {
           ConvertP(tSrS, tOrP, convert);
         }
         pipe_v.consumer_wait(state_v);
+        if constexpr (kTurns) NamedBarrierSync(2 + wg, Config::kConsumerThreads);
         IssueGemm<false, true>(mma_o, tOrP, tOrV(_, _, _, state_v.index()), tOrO);
+        if constexpr (kTurns) {
+          if (wg == 0) NamedBarrierArrive(3, Config::kConsumerThreads);
+        }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         pipe_v.consumer_release(state_v);

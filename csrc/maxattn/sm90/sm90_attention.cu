@@ -48,32 +48,36 @@ int ClampWindow(int64_t w, int64_t limit) {
   return static_cast<int>(w < limit ? w : limit);
 }
 
-template <bool kOverlap>
-Status DispatchVariant(const AttentionShape& shape, const sm90::FwdArgs& args, const AttentionInputs& inputs,
-                       cudaStream_t stream) {
+Status Dispatch(const AttentionShape& shape, const sm90::FwdArgs& args, const AttentionInputs& inputs,
+                cudaStream_t stream) {
+  using sm90::LaunchForward;
   const bool bf16 = inputs.dtype == DType::kBFloat16;
   const void *q = inputs.q, *k = inputs.k, *v = inputs.v;
   switch (shape.head_dim) {
     case 64:
-      return bf16 ? sm90::LaunchForward<64, cutlass::bfloat16_t, kOverlap>(args, q, k, v, stream)
-                  : sm90::LaunchForward<64, cutlass::half_t, kOverlap>(args, q, k, v, stream);
-    case 128:
-      return bf16 ? sm90::LaunchForward<128, cutlass::bfloat16_t, kOverlap>(args, q, k, v, stream)
-                  : sm90::LaunchForward<128, cutlass::half_t, kOverlap>(args, q, k, v, stream);
+      return bf16 ? LaunchForward<64, cutlass::bfloat16_t, sm90::kOverlap>(args, q, k, v, stream)
+                  : LaunchForward<64, cutlass::half_t, sm90::kOverlap>(args, q, k, v, stream);
+    case 128: {
+      // EXPERIMENT while the consumer loops are compared (read-only getenv).
+      const char* env = std::getenv("MAXATTN_SM90_VARIANT");
+      const std::string variant = env != nullptr ? env : "";
+      if (variant == "plain") {
+        return bf16 ? LaunchForward<128, cutlass::bfloat16_t, sm90::kPlain>(args, q, k, v, stream)
+                    : LaunchForward<128, cutlass::half_t, sm90::kPlain>(args, q, k, v, stream);
+      }
+      if (variant == "pingpong") {
+        return bf16 ? LaunchForward<128, cutlass::bfloat16_t, sm90::kPingPong>(args, q, k, v, stream)
+                    : LaunchForward<128, cutlass::half_t, sm90::kPingPong>(args, q, k, v, stream);
+      }
+      return bf16 ? LaunchForward<128, cutlass::bfloat16_t, sm90::kOverlap>(args, q, k, v, stream)
+                  : LaunchForward<128, cutlass::half_t, sm90::kOverlap>(args, q, k, v, stream);
+    }
     case 256:
-      return bf16 ? sm90::LaunchForward<256, cutlass::bfloat16_t, kOverlap>(args, q, k, v, stream)
-                  : sm90::LaunchForward<256, cutlass::half_t, kOverlap>(args, q, k, v, stream);
+      return bf16 ? LaunchForward<256, cutlass::bfloat16_t, sm90::kOverlap>(args, q, k, v, stream)
+                  : LaunchForward<256, cutlass::half_t, sm90::kOverlap>(args, q, k, v, stream);
     default:
       return Status::Internal("sm90 attention: no kernel for head_dim " + std::to_string(shape.head_dim));
   }
-}
-
-Status Dispatch(const AttentionShape& shape, const sm90::FwdArgs& args, const AttentionInputs& inputs,
-                cudaStream_t stream) {
-  // Experiment switch while both consumer loops are compared (read-only getenv).
-  const char* variant = std::getenv("MAXATTN_SM90_VARIANT");
-  if (variant != nullptr && std::string(variant) == "plain") return DispatchVariant<false>(shape, args, inputs, stream);
-  return DispatchVariant<true>(shape, args, inputs, stream);
 }
 
 Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs,
