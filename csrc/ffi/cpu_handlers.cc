@@ -21,7 +21,7 @@ struct CpuPlatform {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionFwdCpu, ForwardHandler<CpuPlatform>{}, BindForward<CpuPlatform>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionBwdCpu, BackwardHandler<CpuPlatform>{}, BindBackward<CpuPlatform>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionFwdCpu, (Handler<CpuPlatform, Forward>{}), BindForward<CpuPlatform>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionBwdCpu, (Handler<CpuPlatform, Backward>{}), BindBackward<CpuPlatform>());
 
 }  // namespace maxattn::ffi_glue

@@ -68,8 +68,8 @@ struct CudaPlatform {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionFwdCuda, ForwardHandler<CudaPlatform>{}, BindForward<CudaPlatform>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionBwdCuda, BackwardHandler<CudaPlatform>{},
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionFwdCuda, (Handler<CudaPlatform, Forward>{}), BindForward<CudaPlatform>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionBwdCuda, (Handler<CudaPlatform, Backward>{}),
                               BindBackward<CudaPlatform>());
 
 }  // namespace maxattn::ffi_glue

@@ -69,48 +69,54 @@ auto BindBackward() {
       .template Ret<Buffer>();  // dsink [B, N] f32, or [0]
 }
 
-template <typename Platform, typename Context = typename Platform::Context>
-struct ForwardHandler;
+// The direction-specific part of a handler: the buffers after the options.
+struct Forward {
+  template <typename Platform>
+  static constexpr const char* kName = Platform::kForwardName;
 
-template <typename Platform, typename... Ctx>
-struct ForwardHandler<Platform, ContextTypes<Ctx...>> {
-  ffi::Error operator()(Ctx... ctx, Buffer q, Buffer k, Buffer v, Buffer bias, Buffer mask, Buffer q_seq_lengths,
-                        Buffer kv_seq_lengths, Buffer q_segment_ids, Buffer kv_segment_ids, Buffer sink_logits,
-                        Buffer dropout_seed, AttentionOptions options, Result out, Result lse,
-                        Result max_logit) const {
-    constexpr const char* op = Platform::kForwardName;
-    DecodedCall call;
-    MAXATTN_FFI_RETURN_IF_ERROR(DecodeCall(op,
-                                           {q, k, v, bias, mask, q_seq_lengths, kv_seq_lengths, q_segment_ids,
-                                            kv_segment_ids, sink_logits, dropout_seed},
-                                           options, Platform::BiasType(q.element_type()), &call));
+  template <typename Platform, typename... Ctx>
+  static ffi::Error Run(const DecodedCall& call, ffi::DataType dtype, Result out, Result lse, Result max_logit,
+                        Ctx&... ctx) {
     ForwardOutputs outputs;
-    MAXATTN_FFI_RETURN_IF_ERROR(DecodeForwardOutputs(op, call, q.element_type(), *out, *lse, *max_logit, &outputs));
+    MAXATTN_FFI_RETURN_IF_ERROR(
+        DecodeForwardOutputs(kName<Platform>, call, dtype, *out, *lse, *max_logit, &outputs));
     return Platform::Forward(ctx..., call, outputs);
   }
 };
 
-template <typename Platform, typename Context = typename Platform::Context>
-struct BackwardHandler;
+struct Backward {
+  template <typename Platform>
+  static constexpr const char* kName = Platform::kBackwardName;
 
-template <typename Platform, typename... Ctx>
-struct BackwardHandler<Platform, ContextTypes<Ctx...>> {
-  ffi::Error operator()(Ctx... ctx, Buffer q, Buffer k, Buffer v, Buffer bias, Buffer mask, Buffer q_seq_lengths,
-                        Buffer kv_seq_lengths, Buffer q_segment_ids, Buffer kv_segment_ids, Buffer sink_logits,
-                        Buffer dropout_seed, AttentionOptions options, Buffer out, Buffer dout, Buffer lse,
-                        Buffer dlse, Result dq, Result dk, Result dv, Result dbias, Result dsink) const {
-    constexpr const char* op = Platform::kBackwardName;
-    DecodedCall call;
-    const ffi::DataType bias_type = Platform::BiasType(q.element_type());
-    MAXATTN_FFI_RETURN_IF_ERROR(DecodeCall(op,
-                                           {q, k, v, bias, mask, q_seq_lengths, kv_seq_lengths, q_segment_ids,
-                                            kv_segment_ids, sink_logits, dropout_seed},
-                                           options, bias_type, &call));
+  template <typename Platform, typename... Ctx>
+  static ffi::Error Run(const DecodedCall& call, ffi::DataType dtype, Buffer out, Buffer dout, Buffer lse,
+                        Buffer dlse, Result dq, Result dk, Result dv, Result dbias, Result dsink, Ctx&... ctx) {
     BackwardInputs saved;
     BackwardOutputs grads;
-    MAXATTN_FFI_RETURN_IF_ERROR(DecodeBackwardBuffers(op, call, q.element_type(), bias_type, out, dout, lse, dlse,
-                                                      *dq, *dk, *dv, *dbias, *dsink, &saved, &grads));
+    MAXATTN_FFI_RETURN_IF_ERROR(DecodeBackwardBuffers(kName<Platform>, call, dtype, Platform::BiasType(dtype), out,
+                                                      dout, lse, dlse, *dq, *dk, *dv, *dbias, *dsink, &saved,
+                                                      &grads));
     return Platform::Backward(ctx..., call, saved, grads);
+  }
+};
+
+// The handler: context, the eleven operands and the options are decoded here;
+// the rest goes to the direction.
+template <typename Platform, typename Direction, typename Context = typename Platform::Context>
+struct Handler;
+
+template <typename Platform, typename Direction, typename... Ctx>
+struct Handler<Platform, Direction, ContextTypes<Ctx...>> {
+  template <typename... Rest>
+  ffi::Error operator()(Ctx... ctx, Buffer q, Buffer k, Buffer v, Buffer bias, Buffer mask, Buffer q_seq_lengths,
+                        Buffer kv_seq_lengths, Buffer q_segment_ids, Buffer kv_segment_ids, Buffer sink_logits,
+                        Buffer dropout_seed, AttentionOptions options, Rest... rest) const {
+    DecodedCall call;
+    MAXATTN_FFI_RETURN_IF_ERROR(DecodeCall(Direction::template kName<Platform>,
+                                           {q, k, v, bias, mask, q_seq_lengths, kv_seq_lengths, q_segment_ids,
+                                            kv_segment_ids, sink_logits, dropout_seed},
+                                           options, Platform::BiasType(q.element_type()), &call));
+    return Direction::template Run<Platform>(call, q.element_type(), rest..., ctx...);
   }
 };
 

@@ -326,16 +326,8 @@ Status BackwardImpl(const AttentionShape& shape, const AttentionOptions& options
 Status AttentionBackwardCpu(const AttentionShape& shape, const AttentionOptions& options,
                             const AttentionInputs& inputs, const BackwardInputs& saved,
                             const BackwardOutputs& grads) {
-  try {
-    MAXATTN_RETURN_IF_ERROR(ValidateShapeAndOptions(shape, options, inputs));
-    return cpu::BackwardImpl(shape, options, inputs, saved, grads);
-  } catch (const std::bad_alloc&) {
-    return Status::Internal("AttentionBackwardCpu: out of memory");
-  } catch (const std::exception& e) {
-    return Status::Internal(std::string("AttentionBackwardCpu: ") + e.what());
-  } catch (...) {
-    return Status::Internal("AttentionBackwardCpu: unknown error");
-  }
+  return cpu::Guarded("AttentionBackwardCpu", shape, options, inputs,
+                      [&] { return cpu::BackwardImpl(shape, options, inputs, saved, grads); });
 }
 
 }  // namespace maxattn

@@ -3,7 +3,10 @@
 #define MAXATTN_CPU_COMMON_H_
 
 #include <cstdint>
+#include <exception>
 #include <limits>
+#include <new>
+#include <string>
 
 #include "maxattn/attention.h"
 #include "maxattn/cpu/convert.h"
@@ -40,6 +43,23 @@ inline void Transpose(const float* src, int64_t rows, int64_t h, int64_t ld, flo
                       int64_t ldt) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < h; ++c) dst[c * ldt + r] = src[r * ld + c];
+  }
+}
+
+// Runs a public entry point's body: validates, then calls `impl`; exceptions
+// (allocation failures included) come back as Status, never cross the API.
+template <typename Impl>
+Status Guarded(const char* entry, const AttentionShape& shape, const AttentionOptions& options,
+               const AttentionInputs& inputs, Impl&& impl) {
+  try {
+    MAXATTN_RETURN_IF_ERROR(ValidateShapeAndOptions(shape, options, inputs));
+    return impl();
+  } catch (const std::bad_alloc&) {
+    return Status::Internal(std::string(entry) + ": out of memory");
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string(entry) + ": " + e.what());
+  } catch (...) {
+    return Status::Internal(std::string(entry) + ": unknown error");
   }
 }
 

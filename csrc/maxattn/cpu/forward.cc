@@ -314,16 +314,8 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
 
 Status AttentionForwardCpu(const AttentionShape& shape, const AttentionOptions& options,
                            const AttentionInputs& inputs, const ForwardOutputs& outputs) {
-  try {
-    MAXATTN_RETURN_IF_ERROR(ValidateShapeAndOptions(shape, options, inputs));
-    return cpu::ForwardImpl(shape, options, inputs, outputs);
-  } catch (const std::bad_alloc&) {
-    return Status::Internal("AttentionForwardCpu: out of memory");
-  } catch (const std::exception& e) {
-    return Status::Internal(std::string("AttentionForwardCpu: ") + e.what());
-  } catch (...) {
-    return Status::Internal("AttentionForwardCpu: unknown error");
-  }
+  return cpu::Guarded("AttentionForwardCpu", shape, options, inputs,
+                      [&] { return cpu::ForwardImpl(shape, options, inputs, outputs); });
 }
 
 }  // namespace maxattn

@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxattn._src import backends
 from maxattn._src.call import Alignment, Call, Mask, Operands, Options, SoftmaxType
 from maxattn._src.cp import spec as cp_spec
 
-IMPLEMENTATIONS = ("cpu", "cudnn", "xla")
+IMPLEMENTATIONS = backends.names()
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _ALIGNMENTS = tuple(a.value for a in Alignment)
 _SOFTMAX_TYPES = tuple(t.value for t in SoftmaxType)

@@ -22,7 +22,19 @@ containers into ``{module_path: float32[..., N]}``, the form that
 :mod:`maxattn.qk_clip` consumes.
 
 The sown value carries no gradient. ``DotProductAttention`` modules for linen
-and nnx live in :mod:`maxattn.flax.linen` and :mod:`maxattn.flax.nnx`.
+and nnx live in :mod:`maxattn.flax.linen` and :mod:`maxattn.flax.nnx`. Both
+take the same settings (linen: fields; nnx: constructor keywords):
+
+* ``scale``: logit scale (default 1/sqrt(H));
+* ``is_causal``: causal mask;
+* ``implementation``: maxattn backend (None = auto, "cpu", "cudnn", "xla");
+* ``return_max_logit``: return ``(out, aux)`` with ``aux["max_logit"]``
+  float32 [N], like TransformerEngine's ``fused_attn``;
+* ``return_lse``: also return ``aux["lse"]`` float32 [B, N, T];
+* ``record_max_logit``: sow the max logit under ``"max_logit"`` (as above);
+* ``attention_kwargs``: further fixed keyword arguments for
+  :func:`maxattn.dot_product_attention` (e.g. ``local_window_size``); a call's
+  own keyword arguments override them.
 """
 
 from __future__ import annotations

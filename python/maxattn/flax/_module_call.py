@@ -1,4 +1,9 @@
-"""The call shared by the linen and nnx ``DotProductAttention`` modules."""
+"""The call shared by the linen and nnx ``DotProductAttention`` modules.
+
+Both modules hold the same settings (linen as fields, nnx as constructor
+keywords), documented once in :mod:`maxattn.flax`, and share `module_call` as
+their ``__call__``.
+"""
 
 from __future__ import annotations
 
@@ -54,3 +59,16 @@ def call_dot_product_attention(
     if not module.return_max_logit:
         aux = {k: v for k, v in aux.items() if k != "max_logit"}
     return out, aux
+
+
+def module_call(self: AttentionModule, query: jax.Array, key: jax.Array, value: jax.Array,
+                bias: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
+                **kwargs: Any) -> AttentionResult:
+    """Attention on [B, T, N, H] / [B, S, K, H] / [B, S, K, Hv] inputs.
+
+    ``kwargs`` go to :func:`maxattn.dot_product_attention` (e.g. sequence
+    lengths, segment ids) and override the module's ``attention_kwargs``.
+    Returns ``out`` [B, T, N, Hv], or ``(out, aux)`` when ``return_max_logit``
+    or ``return_lse`` is set.
+    """
+    return call_dot_product_attention(self, query, key, value, bias, mask, kwargs)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
-import jax
 from flax import linen as nn
 
-from maxattn.flax._module_call import AttentionResult, call_dot_product_attention
+from maxattn.flax._module_call import module_call
 
 __all__ = ["DotProductAttention"]
 
@@ -15,18 +14,10 @@ __all__ = ["DotProductAttention"]
 class DotProductAttention(nn.Module):
     """maxattn attention as a linen module (no parameters).
 
-    Attributes:
-      scale: logit scale (default 1/sqrt(H)).
-      is_causal: causal mask.
-      implementation: maxattn backend (None = auto, "cpu", "cudnn", "xla").
-      return_max_logit: return ``(out, aux)`` with ``aux["max_logit"]``
-        float32 [N], like TransformerEngine's ``fused_attn``.
-      return_lse: also return ``aux["lse"]`` float32 [B, N, T].
-      record_max_logit: sow the max logit into the ``"intermediates"``
-        collection under ``"max_logit"`` (a no-op unless the collection is
-        mutable).
-      attention_kwargs: further fixed keyword arguments for
-        :func:`maxattn.dot_product_attention` (e.g. ``local_window_size``).
+    Its fields are the module settings listed in :mod:`maxattn.flax`
+    (``record_max_logit`` sows into the ``"intermediates"`` collection, a no-op
+    unless it is mutable). Call it as ``module(query, key, value, bias=None,
+    mask=None, **kwargs)``.
     """
 
     scale: Optional[float] = None
@@ -37,14 +28,4 @@ class DotProductAttention(nn.Module):
     record_max_logit: bool = False
     attention_kwargs: Optional[dict] = None
 
-    @nn.compact
-    def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array,
-                 bias: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
-                 **kwargs: Any) -> AttentionResult:
-        """Attention on [B, T, N, H] / [B, S, K, H] / [B, S, K, Hv] inputs.
-
-        ``kwargs`` go to :func:`maxattn.dot_product_attention` (e.g. sequence
-        lengths, segment ids). Returns ``out`` [B, T, N, Hv], or ``(out, aux)``
-        when ``return_max_logit`` or ``return_lse`` is set.
-        """
-        return call_dot_product_attention(self, query, key, value, bias, mask, kwargs)
+    __call__ = module_call

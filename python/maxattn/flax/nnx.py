@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import jax
 from flax import nnx
 
-from maxattn.flax._module_call import AttentionResult, call_dot_product_attention
+from maxattn.flax._module_call import module_call
 
 __all__ = ["DotProductAttention"]
 
@@ -15,17 +14,11 @@ __all__ = ["DotProductAttention"]
 class DotProductAttention(nnx.Module):
     """maxattn attention as an nnx module (no parameters).
 
-    Args:
-      scale: logit scale (default 1/sqrt(H)).
-      is_causal: causal mask.
-      implementation: maxattn backend (None = auto, "cpu", "cudnn", "xla").
-      return_max_logit: return ``(out, aux)`` with ``aux["max_logit"]``
-        float32 [N], like TransformerEngine's ``fused_attn``.
-      return_lse: also return ``aux["lse"]`` float32 [B, N, T].
-      record_max_logit: sow the max logit as ``nnx.Intermediate`` under
-        ``"max_logit"`` (read it with :func:`maxattn.flax.capture_max_logits`).
-      **attention_kwargs: further fixed keyword arguments for
-        :func:`maxattn.dot_product_attention` (e.g. ``local_window_size``).
+    Its constructor keywords are the module settings listed in
+    :mod:`maxattn.flax`; further keywords become ``attention_kwargs``
+    (``record_max_logit`` sows as ``nnx.Intermediate``; read it with
+    :func:`maxattn.flax.capture_max_logits`). Call it as ``module(query, key,
+    value, bias=None, mask=None, **kwargs)``.
     """
 
     def __init__(self, *, scale: Optional[float] = None, is_causal: bool = False,
@@ -40,13 +33,4 @@ class DotProductAttention(nnx.Module):
         self.record_max_logit = record_max_logit
         self.attention_kwargs = dict(attention_kwargs)
 
-    def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array,
-                 bias: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
-                 **kwargs: Any) -> AttentionResult:
-        """Attention on [B, T, N, H] / [B, S, K, H] / [B, S, K, Hv] inputs.
-
-        ``kwargs`` go to :func:`maxattn.dot_product_attention` (e.g. sequence
-        lengths, segment ids). Returns ``out`` [B, T, N, Hv], or ``(out, aux)``
-        when ``return_max_logit`` or ``return_lse`` is set.
-        """
-        return call_dot_product_attention(self, query, key, value, bias, mask, kwargs)
+    __call__ = module_call

@@ -20,6 +20,11 @@ _MODULES = {
 _PREFERRED = {"cpu": "cpu", "gpu": "cudnn", "cuda": "cudnn"}
 
 
+def names() -> tuple[str, ...]:
+    """Every `implementation=` name, registry order."""
+    return tuple(_MODULES)
+
+
 def get(name: str) -> Backend:
     return importlib.import_module(_MODULES[name]).BACKEND
 

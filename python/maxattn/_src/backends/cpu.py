@@ -43,20 +43,11 @@ class CpuBackend:
 
     def forward(self, call: Call) -> Fwd:
         register()
-        ops = _f32_bias(call)
-        out, lse, mx = jax.ffi.ffi_call(FWD_TARGET, ffi.forward_result_types(call))(
-            *ffi.operand_list(ops), **call.options.ffi_attributes())
-        return Fwd(out, lse if call.options.lse else None, mx if call.options.max_logit else None)
+        return ffi.forward(FWD_TARGET, call, _f32_bias(call))
 
     def backward(self, call: Call, saved: Saved) -> Grads:
         register()
-        ops = _f32_bias(call)
-        bias_shape = None if ops.bias is None else ops.bias.shape
-        dq, dk, dv, dbias, dsink = jax.ffi.ffi_call(
-            BWD_TARGET, ffi.backward_result_types(call, bias_shape, jnp.float32))(
-            *ffi.operand_list(ops), *ffi.saved_list(saved), **call.options.ffi_attributes())
-        return Grads(dq, dk, dv, dbias if ops.bias is not None else None,
-                     dsink if ops.sink_logits is not None else None)
+        return ffi.backward(BWD_TARGET, call, _f32_bias(call), saved, jnp.float32)
 
 
 def _f32_bias(call: Call):

@@ -118,10 +118,7 @@ class CudnnBackend:
 
     def forward(self, call: Call) -> Fwd:
         module()
-        prepared = _as_cudnn_sees_it(call)
-        out, lse, mx = jax.ffi.ffi_call(FWD_TARGET, ffi.forward_result_types(call))(
-            *ffi.operand_list(prepared.operands), **call.options.ffi_attributes())
-        return Fwd(out, lse if call.options.lse else None, mx if call.options.max_logit else None)
+        return ffi.forward(FWD_TARGET, call, _as_cudnn_sees_it(call).operands)
 
     def backward(self, call: Call, saved: Saved) -> Grads:
         module()
@@ -138,23 +135,17 @@ class CudnnBackend:
             out = jnp.concatenate([out, pad_o], -1)
             dout = jnp.concatenate([dout, pad_do], -1)
             call = call.replace(value=jnp.concatenate([v, jnp.zeros(v.shape[:3] + (_DLSE_COLUMNS,), dtype)], -1))
-        prepared = _as_cudnn_sees_it(call)
-        bias = prepared.operands.bias
-        want_dbias = ops.bias is not None
-        dq, dk, dv, dbias, dsink = jax.ffi.ffi_call(
-            BWD_TARGET, ffi.backward_result_types(call, bias.shape if want_dbias else None, dtype))(
-            *ffi.operand_list(prepared.operands), *ffi.saved_list(Saved(out, saved.lse, dout, None)),
-            **call.options.ffi_attributes())
+        g = ffi.backward(BWD_TARGET, call, _as_cudnn_sees_it(call).operands, Saved(out, saved.lse, dout, None),
+                         dtype)
+        dq, dk, dv, dbias = g.dq, g.dk, g.dv, g.dbias
         dv = dv[..., :Hv]
-        if want_dbias:
+        if dbias is not None:
             # cuDNN's dbias has the folded bias's shape; sum it over the axes the user's bias broadcasts.
             axes = tuple(a for a in range(4) if ops.bias.shape[a] == 1 and dbias.shape[a] != 1)
             dbias = dbias.astype(jnp.float32)
             if axes:
                 dbias = jnp.sum(dbias, axis=axes, keepdims=True)
-        else:
-            dbias = None
-        return Grads(dq, dk, dv, dbias, dsink if ops.sink_logits is not None else None)
+        return Grads(dq, dk, dv, dbias, g.dsink)
 
 
 BACKEND = CudnnBackend()

@@ -13,7 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from maxattn._src.call import Call, Operands, Saved
+from maxattn._src.call import Call, Fwd, Grads, Operands, Saved
 
 _PLACEHOLDER_DTYPES = dict(
     bias=jnp.float32, mask=jnp.bool_, q_seq_lengths=jnp.int32, kv_seq_lengths=jnp.int32,
@@ -50,7 +50,24 @@ def backward_result_types(call: Call, dbias_shape: Optional[tuple], dbias_dtype)
             _result((q.shape[0], q.shape[2]), jnp.float32, ops.sink_logits is not None))
 
 
-def saved_list(saved: Saved) -> list[jax.Array]:
+def _saved_list(saved: Saved) -> list[jax.Array]:
     """out, dout, lse, dlse (placeholder when zero): the backward's operands after the eleven."""
     dlse = placeholder(jnp.float32) if saved.dlse is None else saved.dlse.astype(jnp.float32)
     return [saved.out, saved.dout, saved.lse, dlse]
+
+
+def forward(target: str, call: Call, operands: Operands) -> Fwd:
+    """Runs forward target `target` on `operands` (the call's, in the backend's conventions)."""
+    out, lse, mx = jax.ffi.ffi_call(target, forward_result_types(call))(
+        *operand_list(operands), **call.options.ffi_attributes())
+    return Fwd(out, lse if call.options.lse else None, mx if call.options.max_logit else None)
+
+
+def backward(target: str, call: Call, operands: Operands, saved: Saved, dbias_dtype) -> Grads:
+    """Runs backward target `target`; dbias (of the shape of operands.bias, in `dbias_dtype`)
+    iff the call has a bias, dsink iff it has sink logits."""
+    has_bias = call.operands.bias is not None
+    dbias_shape = operands.bias.shape if has_bias else None
+    dq, dk, dv, dbias, dsink = jax.ffi.ffi_call(target, backward_result_types(call, dbias_shape, dbias_dtype))(
+        *operand_list(operands), *_saved_list(saved), **call.options.ffi_attributes())
+    return Grads(dq, dk, dv, dbias if has_bias else None, dsink if call.operands.sink_logits is not None else None)
