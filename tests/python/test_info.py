@@ -79,3 +79,51 @@ def test_demo_guard_passes_with_extras():
     pytest.importorskip("tqdm")
     from maxattn import demo
     assert demo._missing_demo_extras() == []
+
+
+def _cmake():
+    import os
+    import shutil
+    cand = os.path.join(os.path.dirname(sys.executable), "cmake")
+    return cand if os.path.exists(cand) else shutil.which("cmake")
+
+
+def _configure(tmp_path, *defines):
+    """CMake configure of this repository (no build), with the cudnn-frontend headers hidden."""
+    import importlib.util
+    import os
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2]
+    hide = [str(root / ".cudnn_frontend" / "include")]
+    spec = importlib.util.find_spec("cudnn")
+    if spec is not None and spec.origin:
+        hide.append(os.path.join(os.path.dirname(os.path.dirname(spec.origin)), "include"))
+    cmd = [_cmake(), "-S", str(root), "-B", str(tmp_path), f"-DPython_EXECUTABLE={sys.executable}",
+           "-DMAXATTN_BUILD_TESTS=OFF", "-DCMAKE_IGNORE_PATH=" + ";".join(hide), *defines]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def _gpu_toolchain_seen() -> bool:
+    import os
+    import shutil
+    return bool(shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")
+                or os.path.exists("/proc/driver/nvidia/version"))
+
+
+@pytest.mark.skipif(_cmake() is None, reason="needs cmake")
+def test_cmake_auto_warns_and_records_why_cuda_is_skipped(tmp_path):
+    import json
+    proc = _configure(tmp_path, "-DMAXATTN_CUDA=AUTO")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "_build_info.json").read_text())
+    assert record["maxattn_cuda"] == "AUTO" and record["cuda_module"] is False
+    assert "cudnn-frontend" in record["cuda_missing"]
+    warned = "the cuDNN (GPU) module is NOT being built" in proc.stderr
+    assert warned == _gpu_toolchain_seen(), proc.stderr[-3000:]   # a CMake WARNING goes to stderr
+
+
+@pytest.mark.skipif(_cmake() is None, reason="needs cmake")
+def test_cmake_cuda_on_fails_listing_what_is_missing(tmp_path):
+    proc = _configure(tmp_path, "-DMAXATTN_CUDA=ON")
+    assert proc.returncode != 0
+    assert "MAXATTN_CUDA=ON but these are missing" in proc.stderr and "cudnn-frontend" in proc.stderr
