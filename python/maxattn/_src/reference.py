@@ -26,8 +26,9 @@ def visibility(call: Call) -> jax.Array:
     ops, mask = call.operands, call.options.mask
     B, T, N, _ = ops.query.shape
     S = ops.key.shape[1]
-    i = jnp.arange(T, dtype=jnp.int32)[:, None]
-    j = jnp.arange(S, dtype=jnp.int32)[None, :]
+    # Every operand rank 4 (no implicit rank promotion: clean under jax_numpy_rank_promotion="raise").
+    i = jnp.arange(T, dtype=jnp.int32).reshape(1, 1, T, 1)
+    j = jnp.arange(S, dtype=jnp.int32).reshape(1, 1, 1, S)
     q_valid = ops.q_seq_lengths if ops.q_seq_lengths is not None else jnp.full((B,), T, jnp.int32)
     kv_valid = ops.kv_seq_lengths if ops.kv_seq_lengths is not None else jnp.full((B,), S, jnp.int32)
     q_valid = q_valid[:, None, None, None]
@@ -135,22 +136,26 @@ def attention(call: Call) -> tuple[jax.Array, jax.Array, jax.Array]:
     ct = jnp.promote_types(q.dtype, jnp.float32)
     s = raw_logits(call)
     vis = jnp.broadcast_to(visibility(call), s.shape)
-    neg_inf = jnp.asarray(-jnp.inf, ct)
+    # Invisible entries hold the lowest finite value, never -inf (as jax.nn), so that no
+    # intermediate is infinite (clean under jax_debug_infs); results are -inf only where the
+    # contract says so (a head or row that sees nothing).
+    lowest = jnp.finfo(ct).min
 
-    s_vis = jnp.where(vis, jax.lax.stop_gradient(s), neg_inf)
-    max_logit = jnp.max(s_vis, axis=(2, 3), initial=-jnp.inf)
-    # NaN propagates explicitly: XLA:CPU's max reduction may drop NaN (fast min/max).
-    max_logit = jnp.where(jnp.any(jnp.isnan(s_vis), axis=(2, 3)), jnp.asarray(jnp.nan, ct), max_logit)
+    s_vis = jnp.where(vis, jax.lax.stop_gradient(s), lowest)
+    max_logit = jnp.max(s_vis, axis=(2, 3), initial=lowest)
+    max_logit = jnp.where(max_logit <= lowest, -jnp.inf, max_logit)
+    # NaN propagates explicitly (XLA:CPU's max reduction may drop NaN): the sum of the visible
+    # NaN entries is NaN iff there is one, else 0.
+    max_logit = max_logit + jnp.sum(jnp.where(vis & jnp.isnan(s_vis), s_vis, 0), axis=(2, 3))
 
     logits = options.softcap * jnp.tanh(s / options.softcap) if options.softcap else s
-    masked = jnp.where(vis, logits, neg_inf)
-    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True, initial=-jnp.inf))
+    masked = jnp.where(vis, logits, lowest)
+    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True, initial=lowest))
     sink = None
     if ops.sink_logits is not None:
         sink = ops.sink_logits.astype(ct)[None, :, None, None]
         row_max = jnp.maximum(row_max, jax.lax.stop_gradient(sink))
-    row_max = jnp.where(row_max == -jnp.inf, jnp.zeros_like(row_max), row_max)
-    p = jnp.where(vis, jnp.exp(masked - row_max), jnp.zeros_like(masked))
+    p = jnp.where(vis, jnp.exp(jnp.where(vis, masked - row_max, 0)), 0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     if sink is not None:
         denom = denom + jnp.exp(sink - row_max)
@@ -162,5 +167,5 @@ def attention(call: Call) -> tuple[jax.Array, jax.Array, jax.Array]:
         weights = jnp.where(keep, weights * jnp.asarray(dropout_scale(options.dropout_rate), ct), 0)
     v_full = jnp.repeat(v, N // K, axis=2) if K else v
     out = jnp.einsum("bnts,bsnh->btnh", weights, v_full.astype(ct), precision=jax.lax.Precision.HIGHEST)
-    lse = jnp.where(empty, neg_inf, jnp.log(safe_denom) + row_max)[..., 0]
+    lse = jnp.where(empty, -jnp.inf, jnp.log(safe_denom) + row_max)[..., 0]
     return out.astype(q.dtype), lse, max_logit
