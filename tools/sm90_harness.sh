@@ -52,7 +52,7 @@ fi
 if want sanitize; then
   for tool in memcheck racecheck synccheck; do
     echo "== compute-sanitizer --tool $tool (small cases)"
-    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin" --small >"$out/sanitize_$tool.log" 2>&1
+    timeout "${SAN_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin" --small >"$out/sanitize_$tool.log" 2>&1
     s=$?
     tail -4 "$out/sanitize_$tool.log"
     echo "exit $s"; [ $s -eq 0 ] || rc=1

@@ -43,24 +43,52 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
   pipe_params.num_consumers = Config::kConsumerThreads;
   Pipeline pipe_k(smem.pipe_k, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
   Pipeline pipe_v(smem.pipe_v, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
-  if (threadIdx.x == 0) smem.barrier_q.init(1);
+  if (threadIdx.x == 0) {
+    smem.barrier_q.init(1);
+    smem.barrier_q_empty.init(Config::kConsumerThreads);
+  }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
-  const Tile tile = StaticLongestFirstScheduler::Get(p.args);
-  const BlockMask mask = BlockMask::Make(p.args, tile.batch);
-  int n_lo = 0, n_hi = 0;
-  mask.template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, &n_lo, &n_hi);
-
+  // One tile (static grid) or a strided walk over all tiles (persistent).
+  const int first = Config::kPersistentGrid ? static_cast<int>(blockIdx.x) : 0;
+  const int stride = Config::kPersistentGrid ? static_cast<int>(gridDim.x) : 1;
+  const int end = Config::kPersistentGrid ? p.args.num_tiles : 1;
+  auto tile_at = [&](int index) {
+    if constexpr (Config::kPersistentGrid) return PersistentLongestFirstScheduler::Get(p.args, index);
+    else return StaticLongestFirstScheduler::Get(p.args);
+  };
+  // Tiles with an empty key range load nothing and skip the Q barriers, on
+  // both sides alike, so only loaded tiles count towards the phases.
+  int q_loads = 0;
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
-    if (threadIdx.x == 0 && n_lo < n_hi) {
-      ProducerMainloop<Config>::Run(p, smem, pipe_k, pipe_v, tile, n_lo, n_hi);
+    if (threadIdx.x == 0) {
+      typename Config::PipelineState state = cutlass::make_producer_start_state<Pipeline>();
+      for (int index = first; index < end; index += stride) {
+        const Tile tile = tile_at(index);
+        const BlockMask mask = BlockMask::Make(p.args, tile.batch);
+        int n_lo = 0, n_hi = 0;
+        mask.template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, &n_lo, &n_hi);
+        if (n_lo >= n_hi) continue;
+        ProducerMainloop<Config>::Run(p, smem, pipe_k, pipe_v, tile, n_lo, n_hi, state, q_loads);
+        ++q_loads;
+      }
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
-    ConsumerMainloop<Config>::template Run<Config::kVariant>(p.args, smem, pipe_k, pipe_v, tile, mask, n_lo, n_hi,
-                                  static_cast<int>(threadIdx.x) - 128);
+    typename Config::PipelineState state_k, state_v;
+    int parity = 0;
+    for (int index = first; index < end; index += stride, parity ^= 1) {
+      const Tile tile = tile_at(index);
+      const BlockMask mask = BlockMask::Make(p.args, tile.batch);
+      int n_lo = 0, n_hi = 0;
+      mask.template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, &n_lo, &n_hi);
+      ConsumerMainloop<Config>::template Run<Config::kVariant == kPersistent ? kOverlap : Config::kVariant>(
+          p.args, smem, pipe_k, pipe_v, tile, mask, n_lo, n_hi, static_cast<int>(threadIdx.x) - 128, state_k,
+          state_v, q_loads & 1, smem.warp_max[parity]);
+      if (n_lo < n_hi) ++q_loads;
+    }
   }
 #endif
 }
@@ -97,7 +125,15 @@ Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const vo
   MAXATTN_RETURN_IF_ERROR(CudaStatus(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes),
       "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)"));
-  kernel<<<StaticLongestFirstScheduler::Grid(args), Config::kThreads, Config::kSmemBytes, stream>>>(p);
+  dim3 grid = StaticLongestFirstScheduler::Grid(args);
+  if constexpr (Config::kPersistentGrid) {
+    int device = 0, num_sms = 0;
+    MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "cudaGetDevice"));
+    MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
+                                       "cudaDeviceGetAttribute(multiProcessorCount)"));
+    grid = PersistentLongestFirstScheduler::Grid(args, num_sms);
+  }
+  kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p);
   return CudaStatus(cudaGetLastError(), "forward kernel launch");
 }
 

@@ -22,13 +22,15 @@ namespace maxattn::sm90 {
 
 // Consumer loop variants: kPlain (S, softmax, PV in order), kOverlap (the
 // softmax of one key block overlaps P V of the previous), kPingPong (kOverlap,
-// and the two consumer warpgroups take turns issuing their GEMMs).
-enum ConsumerVariant : int { kPlain = 0, kOverlap = 1, kPingPong = 2 };
+// and the two consumer warpgroups take turns issuing their GEMMs),
+// kPersistent (kOverlap in a persistent CTA that walks a tile sequence).
+enum ConsumerVariant : int { kPlain = 0, kOverlap = 1, kPingPong = 2, kPersistent = 3 };
 
 template <int kHeadDim_, class Element_, int kVariant_ = kOverlap>
 struct FwdConfig {
   using Element = Element_;
   static constexpr int kVariant = kVariant_;
+  static constexpr bool kPersistentGrid = kVariant == kPersistent;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
 
@@ -81,7 +83,8 @@ struct FwdConfig {
     alignas(16) typename Pipeline::SharedStorage pipe_k;
     alignas(16) typename Pipeline::SharedStorage pipe_v;
     alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_q;
-    float warp_max[kConsumerThreads / 32];
+    alignas(8) cutlass::arch::ClusterBarrier barrier_q_empty;
+    float warp_max[2][kConsumerThreads / 32];  // by tile parity
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");
@@ -109,6 +112,7 @@ struct FwdArgs {
   const int32_t* kv_lens = nullptr;
   int batch = 0, q_len = 0, kv_len = 0, heads = 0, kv_heads = 0, group = 1;
   int num_m_blocks = 0;
+  int num_tiles = 0;         // num_m_blocks * heads * batch
   float scale = 1.0f;        // > 0
   float scale_log2 = 1.0f;   // scale * log2(e)
   bool causal = false;

@@ -57,8 +57,13 @@ struct ConsumerMainloop {
   using PipelineState = typename Config::PipelineState;
 
   template <int kVariant>
+  // state_k / state_v: the consumer read positions in the K and V pipelines,
+  // carried from tile to tile by a persistent CTA. q_phase: parity of the Q
+  // barrier for this tile (the count of earlier tiles that loaded Q).
+  // warp_max: this tile's slot of the epilogue's shared reduction buffer.
   __device__ static void Run(const FwdArgs& args, SharedStorage& smem, Pipeline& pipe_k, Pipeline& pipe_v,
-                             const Tile& tile, const BlockMask& mask, int n_lo, int n_hi, int consumer_tid) {
+                             const Tile& tile, const BlockMask& mask, int n_lo, int n_hi, int consumer_tid,
+                             PipelineState& state_k, PipelineState& state_v, int q_phase, float* warp_max) {
     using namespace cute;
     using BlockM = typename Config::BlockM;
     using BlockN = typename Config::BlockN;
@@ -95,29 +100,29 @@ struct ConsumerMainloop {
 
     const int m0 = tile.m_block * kBlockM;
     if (n_lo < n_hi) {
-      smem.barrier_q.wait(0);
+      smem.barrier_q.wait(static_cast<uint32_t>(q_phase));
       cutlass::NumericArrayConverter<Element, float, 2> convert;
       float correction[kRows];
       if constexpr (kVariant == kPlain) {
         // Plain order: S, softmax, PV, one block at a time.
-        PipelineState state;
         for (int nb = n_hi - 1; nb >= n_lo; --nb) {
-          pipe_k.consumer_wait(state);
-          IssueGemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, state.index()), tSrS);
+          pipe_k.consumer_wait(state_k);
+          IssueGemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, state_k.index()), tSrS);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tSrS);
-          pipe_k.consumer_release(state);
+          pipe_k.consumer_release(state_k);
           const int n0 = nb * kBlockN;
           if (mask.template TileNeedsMask<kBlockM, kBlockN>(m0, n0)) mask.Apply(s_rc, sc_rc, m0, n0);
           softmax.Update(s_rc, correction);
           softmax.Rescale(o_rc, correction);
           ConvertP(tSrS, tOrP, convert);
-          pipe_v.consumer_wait(state);
-          IssueGemm<false, true>(mma_o, tOrP, tOrV(_, _, _, state.index()), tOrO);
+          pipe_v.consumer_wait(state_v);
+          IssueGemm<false, true>(mma_o, tOrP, tOrV(_, _, _, state_v.index()), tOrO);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
-          pipe_v.consumer_release(state);
-          ++state;
+          pipe_v.consumer_release(state_v);
+          ++state_k;
+          ++state_v;
         }
       } else {
         // Intra-warpgroup overlap: the softmax of block n runs while the
@@ -128,12 +133,11 @@ struct ConsumerMainloop {
         // turn to the other. Warpgroup 1 opens the first turn for warpgroup 0
         // and skips handing over after its last GEMM, so the arrivals on each
         // barrier match its waits.
-        constexpr bool kTurns = kVariant == kPingPong;
+        constexpr bool kTurns = kVariant == kPingPong;  // (kPersistent: no turns)
         const int wg = consumer_tid / 128;
         if constexpr (kTurns) {
           if (wg == 1) NamedBarrierArrive(2, Config::kConsumerThreads);
         }
-        PipelineState state_k, state_v;
         int nb = n_hi - 1;
         pipe_k.consumer_wait(state_k);
         if constexpr (kTurns) NamedBarrierSync(2 + wg, Config::kConsumerThreads);
@@ -179,10 +183,13 @@ struct ConsumerMainloop {
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         pipe_v.consumer_release(state_v);
+        ++state_v;
       }
+      // Q of this tile is no longer read: the producer may load the next one.
+      smem.barrier_q_empty.arrive();
     }
     softmax.Finalize();
-    Epilogue<Config>::Store(args, tile, mask, softmax, o_rc, oc_rc, smem.warp_max, consumer_tid);
+    Epilogue<Config>::Store(args, tile, mask, softmax, o_rc, oc_rc, warp_max, consumer_tid);
   }
 };
 

@@ -19,8 +19,12 @@ struct ProducerMainloop {
   using Pipeline = typename Config::Pipeline;
   using PipelineState = typename Config::PipelineState;
 
+  // state: the producer write position, carried across tiles; q_loads: how
+  // many earlier tiles of this CTA loaded Q (the parity to wait on before
+  // overwriting it).
   __device__ static void Run(const FwdParams<Config>& p, SharedStorage& smem, Pipeline& pipe_k,
-                             Pipeline& pipe_v, const Tile& tile, int n_lo, int n_hi) {
+                             Pipeline& pipe_v, const Tile& tile, int n_lo, int n_hi, PipelineState& state,
+                             int q_loads) {
     using namespace cute;
     const FwdArgs& a = p.args;
     constexpr int H = Config::kHeadDim;
@@ -40,10 +44,10 @@ struct ProducerMainloop {
     auto [tKg, tKs] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVg, tVs] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
+    if (q_loads > 0) smem.barrier_q_empty.wait(static_cast<uint32_t>((q_loads - 1) & 1));
     smem.barrier_q.arrive_and_expect_tx(Config::kBytesQ);
     copy(p.tma_q.with(reinterpret_cast<uint64_t&>(smem.barrier_q), 0), tQg, tQs);
 
-    PipelineState state = cutlass::make_producer_start_state<Pipeline>();
     for (int nb = n_hi - 1; nb >= n_lo; --nb) {
       pipe_k.producer_acquire(state);
       copy(p.tma_k.with(*pipe_k.producer_get_barrier(state), 0), tKg(_, nb), tKs(_, state.index()));

@@ -65,6 +65,10 @@ Status Dispatch(const AttentionShape& shape, const sm90::FwdArgs& args, const At
         return bf16 ? LaunchForward<128, cutlass::bfloat16_t, sm90::kPlain>(args, q, k, v, stream)
                     : LaunchForward<128, cutlass::half_t, sm90::kPlain>(args, q, k, v, stream);
       }
+      if (variant == "persistent") {
+        return bf16 ? LaunchForward<128, cutlass::bfloat16_t, sm90::kPersistent>(args, q, k, v, stream)
+                    : LaunchForward<128, cutlass::half_t, sm90::kPersistent>(args, q, k, v, stream);
+      }
       if (variant == "pingpong") {
         return bf16 ? LaunchForward<128, cutlass::bfloat16_t, sm90::kPingPong>(args, q, k, v, stream)
                     : LaunchForward<128, cutlass::half_t, sm90::kPingPong>(args, q, k, v, stream);
@@ -124,6 +128,7 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
   args.kv_heads = static_cast<int>(shape.num_kv_heads);
   args.group = static_cast<int>(N / shape.num_kv_heads);
   args.num_m_blocks = static_cast<int>((T + 127) / 128);
+  args.num_tiles = static_cast<int>(args.num_m_blocks * N * B);
   args.scale = options.scale;
   args.scale_log2 = static_cast<float>(static_cast<double>(options.scale) * 1.4426950408889634);
   args.causal = options.causal;
@@ -173,6 +178,9 @@ std::optional<std::string> Sm90UnsupportedReason(const AttentionShape& shape, co
     return std::string("sm90 backend: q_len must be at most 65535 * 128");
   }
   if (shape.batch > kMaxGridYZ) return std::string("sm90 backend: batch must be at most 65535");
+  if ((shape.q_len + 127) / 128 * shape.num_q_heads * shape.batch > INT32_MAX) {
+    return std::string("sm90 backend: ceil(q_len / 128) * num_q_heads * batch must fit in int32");
+  }
   if (shape.num_q_heads > INT32_MAX) return std::string("sm90 backend: num_q_heads must fit in int32");
   // TMA: global strides below 2^40 bytes.
   const int64_t elem = 2;

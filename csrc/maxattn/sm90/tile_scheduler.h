@@ -39,6 +39,27 @@ struct StaticLongestFirstScheduler {
   }
 };
 
+// Persistent: at most one CTA per SM, each walking tiles blockIdx.x,
+// blockIdx.x + gridDim.x, ... of one sequence ordered like the static grid
+// (query block outermost, longest first for causal; then batch; head fastest).
+struct PersistentLongestFirstScheduler {
+  static dim3 Grid(const FwdArgs& args, int num_sms) {
+    return dim3(static_cast<unsigned>(args.num_tiles < num_sms ? args.num_tiles : num_sms));
+  }
+
+  __device__ static Tile Get(const FwdArgs& args, int index) {
+    const int per_block = args.heads * args.batch;
+    const int z = index / per_block;
+    const int rest = index - z * per_block;
+    Tile t;
+    t.m_block = args.causal ? args.num_m_blocks - 1 - z : z;
+    t.batch = rest / args.heads;
+    t.head = rest - t.batch * args.heads;
+    t.kv_head = t.head / args.group;
+    return t;
+  }
+};
+
 }  // namespace maxattn::sm90
 
 #endif  // MAXATTN_SM90_TILE_SCHEDULER_H_
