@@ -23,10 +23,10 @@ def test_implementation_hint_lists_the_registry():
 
 def test_canonicalize_builds_one_record():
     q, k, v = random_inputs(0, 2, 8, 12, 4, 2, 8, 8, jnp.float32)
-    call, cp = canonicalize(q, k, v, is_causal=True, causal_alignment="bottom_right", local_window_size=3,
-                            query_seq_lengths=jnp.array([8, 5]), softmax_type="off_by_one",
-                            return_max_logit=True)
-    assert cp is None and isinstance(call, Call)
+    call, cp, unbatched = canonicalize(q, k, v, is_causal=True, causal_alignment="bottom_right",
+                                       local_window_size=3, query_seq_lengths=jnp.array([8, 5]),
+                                       softmax_type="off_by_one", return_max_logit=True)
+    assert cp is None and not unbatched and isinstance(call, Call)
     o = call.options
     assert o.mask.causal and o.mask.alignment is Alignment.BOTTOM_RIGHT and o.mask.window_left == 3
     assert o.softmax is SoftmaxType.OFF_BY_ONE and o.max_logit and not o.lse
@@ -46,7 +46,7 @@ def test_canonicalize_builds_one_record():
 @pytest.mark.parametrize("lse, max_logit", [(False, False), (True, False), (False, True), (True, True)])
 def test_backends_return_fixed_records(name, lse, max_logit):
     q, k, v = random_inputs(1, 2, 8, 12, 4, 2, 8, 8, jnp.float32)
-    call, _ = canonicalize(q, k, v, return_lse=lse, return_max_logit=max_logit)
+    call = canonicalize(q, k, v, return_lse=lse, return_max_logit=max_logit).call
     backend = backends.get(name)
     fwd = backend.forward(call)
     assert isinstance(fwd, Fwd) and fwd.out.shape == (2, 8, 4, 8)
@@ -62,8 +62,8 @@ def test_backends_return_fixed_records(name, lse, max_logit):
 def test_backends_agree_through_the_contract():
     q, k, v = random_inputs(2, 2, 8, 12, 4, 2, 8, 8, jnp.float32)
     bias = jnp.asarray(np.random.default_rng(0).standard_normal((1, 4, 8, 12)), jnp.float32)
-    call, _ = canonicalize(q, k, v, bias, is_causal=True, softmax_type="off_by_one", return_lse=True,
-                           return_max_logit=True)
+    call = canonicalize(q, k, v, bias, is_causal=True, softmax_type="off_by_one", return_lse=True,
+                        return_max_logit=True).call
     a, b = backends.get("cpu"), backends.get("xla")
     fa, fb = a.forward(call), b.forward(call)
     for x, y, what in zip(fa, fb, Fwd._fields):

@@ -125,7 +125,7 @@ def test_keep_fraction_within_statistical_bounds():
     q, k, _ = random_inputs(0, 2, 64, 96, 4, 4, 8, 8, jnp.float32)
     rate = 0.3
     from maxattn._src.canonicalize import canonicalize
-    call, _ = canonicalize(q, k, k, dropout_rate=rate, dropout_rng=KEY)
+    call = canonicalize(q, k, k, dropout_rate=rate, dropout_rng=KEY).call
     keep = np.asarray(reference.dropout_keep(call))
     m = keep.size
     sigma = np.sqrt(rate * (1 - rate) / m)

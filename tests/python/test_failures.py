@@ -30,7 +30,7 @@ F32 = jnp.float32
 
 
 def _attrs(**over):
-    call, _ = canonicalize(jnp.zeros((B, T, N, H)), jnp.zeros((B, S, K, H)), jnp.zeros((B, S, K, Hv)))
+    call = canonicalize(jnp.zeros((B, T, N, H)), jnp.zeros((B, S, K, H)), jnp.zeros((B, S, K, Hv))).call
     attrs = call.options.ffi_attributes()
     attrs.update(over)
     return attrs

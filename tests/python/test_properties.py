@@ -113,7 +113,7 @@ def _to_jax(case):
 
 def _visible_per_row(q, k, v, bias, mask, kw) -> np.ndarray:
     """Number of visible keys of every (b, n, i) row, from the reference's predicate."""
-    call, _ = canonicalize(q, k, v, bias, mask, **kw)
+    call = canonicalize(q, k, v, bias, mask, **kw).call
     vis = reference_lib.visibility(call)
     B, T, N, _ = q.shape
     return np.asarray(jnp.broadcast_to(vis, (B, N, T, k.shape[1]))).sum(-1)

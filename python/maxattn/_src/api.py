@@ -58,6 +58,7 @@ def dot_product_attention(
     implementation: Optional[Implementation] = None,
     return_max_logit: bool = False,
     return_lse: bool = False,
+    return_residual: bool = False,
     context_parallel: Optional[Literal["all_gather", "ring"]] = None,
     context_parallel_axis: Optional[str] = None,
     load_balanced: bool = False,
@@ -66,6 +67,11 @@ def dot_product_attention(
 
     Computes ``softmax(cap(scale * q @ k^T + bias), masked) @ v`` per head, with
     the arguments and meanings of ``jax.nn.dot_product_attention`` (layout BTNH).
+
+    Like jax.nn, every array may also come without its batch axis: ``query``
+    [T, N, H], ``key`` [S, K, H], ``value`` [S, K, Hv] (all three, or none);
+    bias/mask broadcastable to [N, T, S]; sequence lengths of shape [] or [1];
+    segment ids [T] / [S]. Results then have no batch axis either.
 
     Args:
       query: [B, T, N, H] float32, bfloat16 or float16.
@@ -79,18 +85,24 @@ def dot_product_attention(
       mask: boolean, broadcastable to [B, N, T, S]; True means attend. The
         "cudnn" backend folds it (and segment ids) into a [B', N', T, S]
         bias, so it costs O(T * S) memory and bandwidth there.
-      scale: logit scale; default 1/sqrt(H).
+      scale: logit scale; default 1/sqrt(H). A Python number or a concrete
+        JAX/NumPy scalar; the kernels compile it in, so a traced scale (a jit
+        argument) raises TypeError -- make it static, or scale ``query``.
       is_causal: causal mask.
       causal_alignment: "top_left" (key j visible to query i iff j <= i) or
         "bottom_right" (iff j <= i + kv_len - q_len, with the valid lengths
         when sequence lengths are given). Also sets the diagonal of the window.
       query_seq_lengths: int [B]; queries at positions >= the length are padding.
-      key_value_seq_lengths: int [B]; keys at positions >= the length are padding.
+        Lengths are traced values, so they are not checked: a length below 0
+        acts as 0 and one above T as T (every backend).
+      key_value_seq_lengths: int [B]; keys at positions >= the length are padding
+        (clamped to [0, S] likewise).
       q_segment_ids: int [B, T]; packed sequences, a query attends only keys of
         the same segment; id 0 marks padding. Requires ``kv_segment_ids`` [B, S].
       kv_segment_ids: int [B, S].
       local_window_size: int w (= (w, w)) or (left, right): query i sees keys
-        in [i - left, i + right] (shifted by the alignment's diagonal).
+        in [i - left, i + right] (shifted by the alignment's diagonal). Any
+        non-negative int; bounds of T + S or more are unbounded.
       logits_soft_cap: c > 0: logits -> c * tanh(logits / c) before softmax.
       dropout_rate: attention dropout in [0, 1) (ValueError otherwise). Acts on
         the normalised probabilities: p' = p * keep / (1 - rate), out = p' @ v;
@@ -129,6 +141,11 @@ def dot_product_attention(
         explicitly requested backend that cannot run the call raises ValueError.
       return_max_logit: also return ``aux["max_logit"]``.
       return_lse: also return ``aux["lse"]``.
+      return_residual: jax.nn's spelling: return ``(out, residual)`` where the
+        residual is the log-sum-exp as [B, T, N] ([T, N] unbatched) in the
+        input dtype, without gradient -- exactly what jax.nn returns. Not
+        combinable with ``return_max_logit`` / ``return_lse`` (use those for
+        the float32 [B, N, T] lse, which is differentiable).
       context_parallel: None, "all_gather" or "ring": shard attention over the
         sequence (context parallelism) along mesh axis ``context_parallel_axis``
         under ``jit``. "all_gather" gathers K/V over that axis (and
@@ -145,8 +162,9 @@ def dot_product_attention(
         permuted order (undo with ``inverse_reorder_for_load_balancing``).
 
     Returns:
-      ``out`` [B, T, N, Hv] in the input dtype when both return flags are False;
-      otherwise ``(out, aux)`` with the requested keys:
+      ``out`` [B, T, N, Hv] in the input dtype when no return flag is set;
+      ``(out, residual)`` with ``return_residual``; otherwise ``(out, aux)``
+      with the requested keys:
 
       * ``aux["max_logit"]``: float32 [N]. For each query head n, the maximum of
         ``scale * <q, k> + bias`` over every batch row and every visible
@@ -161,16 +179,30 @@ def dot_product_attention(
     Raises:
       ValueError / TypeError at trace time for invalid arguments, naming the
       argument and the rule.
+
+    Autodiff: reverse mode (``grad``, ``vjp``, ``jacrev``) on every backend.
+    The fused backends ("cpu", "cudnn", and any call with context
+    parallelism) have a custom VJP, so forward mode (``jvp``, ``jacfwd``)
+    raises JAX's TypeError "can't apply forward-mode autodiff (jvp) to a
+    custom_vjp function" and second order (grad of grad, ``hessian``) raises
+    NotImplementedError saying so; ``implementation="xla"`` (without context
+    parallelism) is plain JAX and supports every mode.
     """
     check_implementation(implementation)
-    call, cp = canonicalize(
+    if not isinstance(return_residual, bool):
+        raise TypeError(f"`return_residual` must be a Python bool, got {type(return_residual).__name__}")
+    if return_residual and (return_max_logit is True or return_lse is True):
+        raise ValueError("`return_residual` (jax.nn's lse as [B, T, N] in the input dtype) cannot be combined "
+                         "with `return_max_logit` / `return_lse`; use return_lse=True for the float32 "
+                         "[B, N, T] lse next to the max logit")
+    call, cp, unbatched = canonicalize(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         causal_alignment=causal_alignment, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, local_window_size=local_window_size,
         logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         softmax_type=softmax_type, sink_logits=sink_logits, return_max_logit=return_max_logit,
-        return_lse=return_lse, context_parallel=context_parallel,
+        return_lse=return_lse or return_residual, context_parallel=context_parallel,
         context_parallel_axis=context_parallel_axis, load_balanced=load_balanced)
     backend = _choose_backend(implementation, call)
 
@@ -181,6 +213,11 @@ def dot_product_attention(
         out, lse, mx = stack.fused(backend or "xla", cp)(call)
 
     options = call.options
+    if unbatched:
+        out, lse = out[0], (None if lse is None else lse[0])
+    if return_residual:
+        residual = jnp.swapaxes(lse, -1, -2).astype(out.dtype)  # [.., N, T] -> [.., T, N]
+        return out, jax.lax.stop_gradient(residual)
     if not (options.max_logit or options.lse):
         return out
     aux: dict[str, jax.Array] = {}

@@ -11,7 +11,7 @@ this module owns the user-facing rules; backends only say what they cannot run.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,12 @@ IMPLEMENTATIONS = backends.names()
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _ALIGNMENTS = tuple(a.value for a in Alignment)
 _SOFTMAX_TYPES = tuple(t.value for t in SoftmaxType)
+
+
+class Canonical(NamedTuple):
+    call: Call
+    cp: Optional[cp_spec.ContextParallel]
+    unbatched: bool  # the public inputs had no batch axis
 
 
 def _as_array(x: Any, name: str) -> jax.Array:
@@ -44,6 +50,24 @@ def _broadcast4(x: jax.Array, name: str, full: tuple[int, int, int, int]) -> jax
             raise ValueError(f"`{name}` of shape {x.shape} is not broadcastable to [B, N, T, S] = "
                              f"{list(full)}: axis {axis} has size {got}, expected 1 or {want}")
     return x.reshape(shape)
+
+
+def static_float(x: Any, name: str) -> float:
+    """A Python float from a Python number or a concrete JAX/NumPy scalar.
+
+    The fused kernels compile scalars like the scale in, so a traced value
+    (e.g. a `jit` argument) is refused with a message saying what to do."""
+    if isinstance(x, bool) or not (isinstance(x, (int, float, np.integer, np.floating)) or hasattr(x, "shape")):
+        raise TypeError(f"`{name}` must be a Python float or a scalar array, got {type(x).__name__}")
+    if hasattr(x, "shape") and tuple(x.shape) != ():
+        raise ValueError(f"`{name}` must be a scalar, got shape {tuple(x.shape)}")
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(f"`{name}` is a traced JAX value (e.g. an argument of a jitted function); maxattn "
+                        "compiles it into the kernels, so it must be known at trace time: pass a Python float "
+                        f"or a concrete array, or make it static (jax.jit(..., static_argnames={name!r}))")
+    if hasattr(x, "dtype") and not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+        raise TypeError(f"`{name}` must be a real number, got dtype {x.dtype}")
+    return float(x)
 
 
 def _int_array(x: Any, name: str, shape: tuple[int, ...], what: str) -> jax.Array:
@@ -84,9 +108,7 @@ def check_implementation(implementation: Any) -> None:
 
 def _dropout(dropout_rate: Any, dropout_rng: Any) -> tuple[float, Optional[jax.Array]]:
     """Validates the dropout arguments; returns (rate, uint32 [4] seed or None)."""
-    if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float, np.floating, np.integer)):
-        raise TypeError(f"`dropout_rate` must be a Python float, got {type(dropout_rate).__name__}")
-    rate = float(dropout_rate)
+    rate = static_float(dropout_rate, "dropout_rate")
     if not (0.0 <= rate < 1.0):
         raise ValueError(f"`dropout_rate` must be in [0, 1), got {dropout_rate}")
     if rate == 0.0:
@@ -134,15 +156,29 @@ def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any =
                  dropout_rng: Any = None, softmax_type: Any = "vanilla",
                  sink_logits: Any = None, return_max_logit: Any = False, return_lse: Any = False,
                  context_parallel: Any = None, context_parallel_axis: Any = None,
-                 load_balanced: Any = False) -> tuple[Call, Optional[cp_spec.ContextParallel]]:
-    """Validates the public arguments; returns the call record and the context parallelism
-    (None when not requested; its support for this call is checked here too)."""
+                 load_balanced: Any = False) -> "Canonical":
+    """Validates the public arguments; returns the call record, the context parallelism
+    (None when not requested; its support for this call is checked here too) and whether
+    the inputs were unbatched ([T, N, H]: the record then has a batch of one)."""
     q = _as_array(query, "query")
     k = _as_array(key, "key")
     v = _as_array(value, "value")
-    for name, x in (("query", q), ("key", k), ("value", v)):
-        if x.ndim != 4:
-            raise ValueError(f"`{name}` must have rank 4 ([B, T|S, heads, head_dim]), got shape {x.shape}")
+    if q.ndim not in (3, 4):
+        raise ValueError(f"`query` must have rank 4 ([B, T, N, H]) or 3 ([T, N, H], no batch axis), got shape "
+                         f"{q.shape}")
+    unbatched = q.ndim == 3
+    for name, x in (("key", k), ("value", v)):
+        if x.ndim != q.ndim:
+            layout = "[S, K, H]" if unbatched else "[B, S, K, H]"
+            raise ValueError(f"`{name}` must have the rank of `query` ({q.ndim}: {layout}), got shape {x.shape}")
+    if unbatched:  # jax.nn's unbatched form: a batch of one
+        q, k, v = q[None], k[None], v[None]
+        query_seq_lengths, key_value_seq_lengths = (
+            None if x is None else jnp.reshape(_as_array(x, n), (-1,)) if np.ndim(x) == 0 else x
+            for x, n in ((query_seq_lengths, "query_seq_lengths"), (key_value_seq_lengths, "key_value_seq_lengths")))
+        q_segment_ids, kv_segment_ids = (
+            None if x is None else (_as_array(x, n)[None] if np.ndim(x) == 1 else x)
+            for x, n in ((q_segment_ids, "q_segment_ids"), (kv_segment_ids, "kv_segment_ids")))
     for name, x in (("query", q), ("key", k), ("value", v)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"`{name}` must have a floating dtype (float32, bfloat16 or float16), got {x.dtype}")
@@ -189,20 +225,19 @@ def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any =
     if scale is None:
         scale_value = 1.0 / math.sqrt(H) if H > 0 else 1.0
     else:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
-            raise TypeError(f"`scale` must be a Python float, got {type(scale).__name__}")
-        scale_value = float(scale)
+        scale_value = static_float(scale, "scale")
         if not math.isfinite(scale_value):
             raise ValueError(f"`scale` must be finite, got {scale_value}")
     causal = _check_bool(is_causal, "is_causal")
     if causal_alignment not in _ALIGNMENTS:
         raise ValueError(f"`causal_alignment` must be one of {_ALIGNMENTS}, got {causal_alignment!r}")
     left, right = _window(local_window_size)
+    # A bound of T + S or more removes nothing (whatever the alignment): clamp, so that
+    # any int is accepted and fits the kernels' int64.
+    left, right = (min(w, T + S) for w in (left, right))
     cap = 0.0
     if logits_soft_cap is not None:
-        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float, np.floating, np.integer)):
-            raise TypeError(f"`logits_soft_cap` must be a Python float, got {type(logits_soft_cap).__name__}")
-        cap = float(logits_soft_cap)
+        cap = static_float(logits_soft_cap, "logits_soft_cap")
         if not (cap > 0 and math.isfinite(cap)):
             raise ValueError(f"`logits_soft_cap` must be a finite float > 0, got {logits_soft_cap}")
 
@@ -218,4 +253,4 @@ def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any =
     cp = cp_spec.make_spec(context_parallel, context_parallel_axis, load_balanced)
     if cp is not None:
         cp_spec.check_supported(cp, call)
-    return call, cp
+    return Canonical(call, cp, unbatched)

@@ -21,19 +21,41 @@ from maxattn._src.call import Call, Fwd, Operands, Saved
 from maxattn._src.cp import ContextParallel
 
 
+def _first_order_only(fn: Callable, backend_name: str) -> Callable:
+    """`fn` (the forward pass that saves residuals, or the backward), with a derivative
+    rule that says clearly that there is none.
+
+    Differentiating them (grad of grad, hessian, jvp of a grad) would otherwise
+    fail deep inside custom_partitioning with an internal message."""
+
+    @jax.custom_jvp
+    def first_order(*args):
+        return fn(*args)
+
+    @first_order.defjvp
+    def _no_second_order(primals, tangents):
+        raise NotImplementedError(
+            f'maxattn: the "{backend_name}" backend has no second-order derivatives (grad of grad, hessian, '
+            'jvp of a gradient); use implementation="xla" (without context_parallel), which is plain JAX '
+            'and differentiable to any order')
+
+    return first_order
+
+
 @functools.cache
 def fused(backend_name: str, cp: Optional[ContextParallel]) -> Callable[[Call], Fwd]:
     """The differentiable function Call -> Fwd (lse / max_logit as the options request)."""
     impl = partition.Partitioned(backends.get(backend_name), cp)
     forward = batching.fold(impl.forward)
-    backward = batching.fold(impl.backward)
+    saving_forward = _first_order_only(forward, backend_name)
+    backward = _first_order_only(batching.fold(impl.backward), backend_name)
 
     @jax.custom_vjp
     def attention(call: Call) -> Fwd:
         return forward(call)
 
     def attention_fwd(call: Call):
-        res = forward(call.replace(call.options.replace(lse=True)))
+        res = saving_forward(call.replace(call.options.replace(lse=True)))
         return Fwd(res.out, res.lse if call.options.lse else None, res.max_logit), (call, res.out, res.lse)
 
     def attention_bwd(residuals, ct: Fwd):

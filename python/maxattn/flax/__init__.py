@@ -97,6 +97,42 @@ def _flatten_batch(x: jax.Array, batch_shape: tuple[int, ...], trailing: int) ->
     return x.reshape((-1,) + x.shape[len(batch_shape):])
 
 
+def flatten_batch_axes(query, key, value, bias=None, mask=None):
+    """Flax's layout -> maxattn's: any number (zero included) of leading batch axes
+    folded into one.
+
+    ``query`` [batch..., T, N, H], ``key`` [batch..., S, K, H], ``value``
+    [batch..., S, K, Hv]; ``bias`` and ``mask`` broadcastable to [batch..., N, T,
+    S] (a non-boolean mask is "nonzero = attend", as Flax's make_causal_mask).
+    Returns (q, k, v, bias, mask) as [B, ...] arrays and the batch shape, so that
+    a [B, ...] result `r` is ``r.reshape(batch_shape + r.shape[1:])``.
+    """
+    if query.ndim < 3:
+        raise ValueError(f"`query` must have shape [batch..., T, N, H], got {query.shape}")
+    batch_shape = query.shape[:-3]
+    flat_batch = batch_shape if batch_shape else (1,)
+
+    def flat(x):
+        if x.ndim == 3 and not batch_shape:
+            return x[None]
+        return _flatten_batch(x, flat_batch, 3)
+
+    q, k, v = flat(query), flat(key), flat(value)
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_:  # Flax masks (make_causal_mask etc.) are float 0/1
+            mask = mask != 0
+        mask = _flatten_batch(mask, flat_batch, 3)
+    if bias is not None:
+        bias = _flatten_batch(jnp.asarray(bias), flat_batch, 3)
+    return q, k, v, bias, mask, batch_shape
+
+
+def unflatten_batch_axes(x: jax.Array, batch_shape: tuple[int, ...]) -> jax.Array:
+    """The inverse of `flatten_batch_axes` for a [B, ...] result."""
+    return x.reshape(tuple(batch_shape) + x.shape[1:])
+
+
 def _attention(
     query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
     dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
@@ -117,20 +153,7 @@ def _attention(
     else:
         common = jnp.result_type(query, key, value)
         query, key, value = (jnp.asarray(t, common) for t in (query, key, value))
-    if query.ndim < 4:
-        raise ValueError(
-            f"query must have shape [batch..., T, N, H] with at least one batch dim, got {query.shape}")
-    batch_shape = query.shape[:-3]
-    q = _flatten_batch(query, batch_shape, 3)
-    k = _flatten_batch(key, batch_shape, 3)
-    v = _flatten_batch(value, batch_shape, 3)
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        if mask.dtype != jnp.bool_:  # Flax masks (make_causal_mask etc.) are float 0/1
-            mask = mask != 0
-        mask = _flatten_batch(mask, batch_shape, 3)
-    if bias is not None:
-        bias = _flatten_batch(jnp.asarray(bias), batch_shape, 3)
+    q, k, v, bias, mask, batch_shape = flatten_batch_axes(query, key, value, bias, mask)
     kwargs = dict(_kwargs)
     kwargs["is_causal"] = bool(is_causal) or bool(kwargs.get("is_causal", False))
     record = _record and module is not None
@@ -142,7 +165,7 @@ def _attention(
         sow_max_logit(module, aux["max_logit"], _name)
     else:
         out = result
-    return out.reshape(batch_shape + out.shape[1:])
+    return unflatten_batch_axes(out, batch_shape)
 
 
 def make_attention_fn(

@@ -13,7 +13,7 @@ from typing import Any, Optional, Protocol, Union
 import jax
 
 import maxattn
-from maxattn.flax import sow_max_logit
+from maxattn.flax import flatten_batch_axes, sow_max_logit, unflatten_batch_axes
 
 #: ``out``, or ``(out, aux)`` with ``aux`` holding ``"max_logit"`` and / or ``"lse"``.
 AttentionResult = Union[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]
@@ -45,13 +45,17 @@ def call_dot_product_attention(
     set (``aux`` holds only the requested entries).
     """
     want_max = module.return_max_logit or module.record_max_logit
+    q, k, v, bias, mask, batch_shape = flatten_batch_axes(query, key, value, bias, mask)
     res = maxattn.dot_product_attention(
-        query, key, value, bias, mask, scale=module.scale, is_causal=module.is_causal,
+        q, k, v, bias, mask, scale=module.scale, is_causal=module.is_causal,
         implementation=module.implementation, return_max_logit=want_max,
         return_lse=module.return_lse, **{**(module.attention_kwargs or {}), **kwargs})
     if not (want_max or module.return_lse):
-        return res
+        return unflatten_batch_axes(res, batch_shape)
     out, aux = res
+    out = unflatten_batch_axes(out, batch_shape)
+    if "lse" in aux:
+        aux = {**aux, "lse": unflatten_batch_axes(aux["lse"], batch_shape)}
     if module.record_max_logit:
         sow_max_logit(module, aux["max_logit"])
     if not (module.return_max_logit or module.return_lse):
@@ -64,11 +68,14 @@ def call_dot_product_attention(
 def module_call(self: AttentionModule, query: jax.Array, key: jax.Array, value: jax.Array,
                 bias: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
                 **kwargs: Any) -> AttentionResult:
-    """Attention on [B, T, N, H] / [B, S, K, H] / [B, S, K, Hv] inputs.
+    """Attention on [batch..., T, N, H] / [batch..., S, K, H] / [batch..., S, K, Hv] inputs.
 
-    ``kwargs`` go to :func:`maxattn.dot_product_attention` (e.g. sequence
-    lengths, segment ids) and override the module's ``attention_kwargs``.
-    Returns ``out`` [B, T, N, Hv], or ``(out, aux)`` when ``return_max_logit``
-    or ``return_lse`` is set.
+    Any number of leading batch axes, none included, as Flax's attention
+    (they are folded into one batch axis for the kernel). ``kwargs`` go to
+    :func:`maxattn.dot_product_attention` (e.g. sequence lengths, segment ids,
+    given for the folded batch) and override the module's
+    ``attention_kwargs``. Returns ``out`` [batch..., T, N, Hv], or
+    ``(out, aux)`` when ``return_max_logit`` or ``return_lse`` is set
+    (``aux["lse"]`` [batch..., N, T]).
     """
     return call_dot_product_attention(self, query, key, value, bias, mask, kwargs)
