@@ -247,9 +247,9 @@ def _mutations():
     f32, i32 = np.float32, np.int32
     z = np.zeros
     return [
-        ("q rank", lambda a, x: a.update(query=z((B, T, N), f32)), ValueError, "query.*rank 4"),
-        ("k rank", lambda a, x: a.update(key=z((B, S, K, H, 1), f32)), ValueError, "key.*rank 4"),
-        ("v rank", lambda a, x: a.update(value=z((S, K, Hv), f32)), ValueError, "value.*rank 4"),
+        ("q rank", lambda a, x: a.update(query=z((B, T, N, H, 1), f32)), ValueError, "query.*rank 4.*or 3"),
+        ("k rank", lambda a, x: a.update(key=z((B, S, K, H, 1), f32)), ValueError, "key.*rank of `query`"),
+        ("v rank", lambda a, x: a.update(value=z((S, K, Hv), f32)), ValueError, "value.*rank of `query`"),
         ("int q", lambda a, x: a.update(query=z((B, T, N, H), i32)), TypeError, "query.*floating"),
         ("mixed dtypes", lambda a, x: a.update(key=a["key"].astype(x.draw(st.sampled_from(
             [np.float16, jnp.bfloat16])))), TypeError, "same dtype"),

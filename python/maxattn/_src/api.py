@@ -202,7 +202,7 @@ def dot_product_attention(
         kv_segment_ids=kv_segment_ids, local_window_size=local_window_size,
         logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         softmax_type=softmax_type, sink_logits=sink_logits, return_max_logit=return_max_logit,
-        return_lse=return_lse or return_residual, context_parallel=context_parallel,
+        return_lse=True if return_residual else return_lse, context_parallel=context_parallel,
         context_parallel_axis=context_parallel_axis, load_balanced=load_balanced)
     backend = _choose_backend(implementation, call)
 
