@@ -9,6 +9,8 @@ For each (B, T, N, K, H, causal) row it times, in the same process and the same 
   jax fwd      jax.nn.dot_product_attention(implementation="cudnn")
   jax fwd+bwd  the same, differentiated
   jax+max      jax cudnn forward plus a separate max-logit pass (QK^T in f32)
+  fa3 fwd      FlashAttention-3 (the flash-attn3-jax wheel's flash_mha), when it is importable
+  fa3 fwd+bwd  the same, differentiated
 Then a features table at (4, 2048, 32, 32, 128) bf16 causal: forward and forward+backward of the
 baseline, dropout 0.1, learnable attention sinks (with and without max_logit) and packed sequences
 (4 equal segments per row), with the cost ratio to the baseline; a feature the backend refuses
@@ -59,7 +61,7 @@ TARGET_OVERHEAD_PCT = 2.0
 
 # Variant groups of a row, in interleaving order; pairs are compared with each other.
 ROW_GROUPS = [["fwd", "fwd+max"], ["fwd+lse", "fwd+lse+max"], ["fwd+bwd"],
-              ["jax fwd"], ["jax fwd+bwd"], ["jax+max"]]
+              ["jax fwd"], ["jax fwd+bwd"], ["jax+max"], ["fa3 fwd"], ["fa3 fwd+bwd"]]
 OVERHEADS = {"inference": ("fwd", "fwd+max"), "training": ("fwd+lse", "fwd+lse+max")}
 
 _T0 = time.perf_counter()
@@ -172,6 +174,15 @@ def _loss_grad(f, argnums=(0, 1, 2)):
     return jax.grad(loss, argnums=argnums)
 
 
+def _fa3():
+    """flash_attn3_jax.flash_mha, or None when the benchmark-only wheel is not installed."""
+    try:
+        from flash_attn3_jax import flash_mha
+    except Exception:  # ImportError, or the wheel's CUDA runtime failing to load
+        return None
+    return flash_mha
+
+
 def bench_row(B, T, N, K, H, causal, opts):
     _, q, k, v, ct = _inputs(B, T, N, K, H)
     scale = 1.0 / np.sqrt(H)
@@ -196,6 +207,10 @@ def bench_row(B, T, N, K, H, causal, opts):
             "jax fwd+bwd": (jax.jit(_loss_grad(jx)), qkvc),
             "jax+max": (jax.jit(lambda q, k, v: (jx(q, k, v), _separate_max(q, k, causal, scale))), qkv),
         })
+    fa3 = _fa3() if opts.fa3 else None
+    if fa3 is not None:
+        fa = lambda q, k, v: fa3(q, k, v, softmax_scale=float(scale), is_causal=causal)
+        variants.update({"fa3 fwd": (jax.jit(fa), qkv), "fa3 fwd+bwd": (jax.jit(_loss_grad(fa)), qkvc)})
     samples, compile_s, errors = _run(variants, ROW_GROUPS, opts.calls, opts.reps, opts.warmup)
     stats = _stats(samples)
     med = {n: s["median_ms"] / 1e3 for n, s in stats.items()}
@@ -212,6 +227,9 @@ def bench_row(B, T, N, K, H, causal, opts):
         fwd_vs_jax=_ratio(samples, "jax fwd", "fwd"),
         fwd_bwd_vs_jax=_ratio(samples, "jax fwd+bwd", "fwd+bwd"),
         max_vs_jax_plus_pass=_ratio(samples, "jax+max", "fwd+max"),
+        fwd_vs_fa3=_ratio(samples, "fa3 fwd", "fwd"),
+        fwd_max_vs_fa3=_ratio(samples, "fa3 fwd", "fwd+max"),
+        fwd_bwd_vs_fa3=_ratio(samples, "fa3 fwd+bwd", "fwd+bwd"),
         spread_pct={n: s["spread_pct"] for n, s in stats.items()},
     )
 
@@ -222,6 +240,18 @@ MAIN_HEADER = ("| B | T | N | K | H | causal | fwd ms | fwd+max ms | max ovh % |
 OVH_HEADER = ("| B | T | N | K | H | causal | fwd ms | fwd+max ms | inference ovh % median / min / paired "
               "| fwd+lse ms | fwd+lse+max ms | training ovh % median / min / paired | spread % (max of pair) "
               f"| ≤{TARGET_OVERHEAD_PCT:g}% (inf / train, median) |")
+
+
+FA3_HEADER = ("| B | T | N | K | H | causal | fwd ms | fwd+max ms | FA3 fwd ms | fwd vs FA3 | fwd+max vs FA3 "
+              "| fwd+bwd ms | FA3 fwd+bwd ms | fwd+bwd vs FA3 |")
+
+
+def _fa3_line(r):
+    ms = r["ms"]
+    return (_shape_cells(r["shape"]) + f"| {_f(ms.get('fwd'), '.3f')} | {_f(ms.get('fwd+max'), '.3f')} "
+            f"| {_f(ms.get('fa3 fwd'), '.3f')} | {_f(r['fwd_vs_fa3'], '.3f', 'x')} "
+            f"| {_f(r['fwd_max_vs_fa3'], '.3f', 'x')} | {_f(ms.get('fwd+bwd'), '.3f')} "
+            f"| {_f(ms.get('fa3 fwd+bwd'), '.3f')} | {_f(r['fwd_bwd_vs_fa3'], '.3f', 'x')} |")
 
 
 def _shape_cells(s):
@@ -391,6 +421,8 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=320.0,
                    help="start no new row / feature table after this many seconds since start")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: impl cpu, peer xla")
+    p.add_argument("--no-fa3", dest="fa3", action="store_false",
+                   help="skip the FlashAttention-3 columns (they run when flash_attn3_jax is importable)")
     p.add_argument("--json", default=None)
     opts = p.parse_args(argv)
     opts.calls = opts.calls or (3 if opts.smoke else 50)
@@ -441,6 +473,12 @@ def main(argv=None):
         print("|" + "---|" * (MAIN_HEADER.count("|") - 1))
         for r in results:
             print(_main_line(r))
+        if any(r["ms"].get("fa3 fwd") is not None for r in results):
+            print("\n## vs FlashAttention-3 (flash-attn3-jax flash_mha, same run; ratio = FA3 time / ours)\n")
+            print(FA3_HEADER)
+            print("|" + "---|" * (FA3_HEADER.count("|") - 1))
+            for r in results:
+                print(_fa3_line(r))
         print(f"\n## max_logit overhead (target ≤ {TARGET_OVERHEAD_PCT:g}% of our own forward)\n")
         print(OVH_HEADER)
         print("|" + "---|" * (OVH_HEADER.count("|") - 1))

@@ -47,3 +47,6 @@ MAXATTN_NVRTC_FORWARD(nvrtcGetCUBIN, (nvrtcProgram prog, char* cubin), (prog, cu
 MAXATTN_NVRTC_FORWARD(nvrtcGetCUBINSize, (nvrtcProgram prog, size_t* size), (prog, size))
 MAXATTN_NVRTC_FORWARD(nvrtcGetProgramLog, (nvrtcProgram prog, char* log), (prog, log))
 MAXATTN_NVRTC_FORWARD(nvrtcGetProgramLogSize, (nvrtcProgram prog, size_t* size), (prog, size))
+// cudnn-frontend < 1.29 also asks for PTX (its headers reference these even when unused).
+MAXATTN_NVRTC_FORWARD(nvrtcGetPTX, (nvrtcProgram prog, char* ptx), (prog, ptx))
+MAXATTN_NVRTC_FORWARD(nvrtcGetPTXSize, (nvrtcProgram prog, size_t* size), (prog, size))
