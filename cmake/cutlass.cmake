@@ -11,6 +11,9 @@
 # standalone harness tests/cuda/sm90_fwd_harness; it needs nvcc and the headers.
 set(MAXATTN_CUTLASS_PINNED_VERSION "4.2.0")
 option(MAXATTN_SM90_HARNESS "Build the sm90 kernels and their standalone harness (needs nvcc, CUTLASS headers)" OFF)
+# MAXATTN_SM90: the sm90 kernels inside the CUDA extension module (implementation="sm90").
+# AUTO builds them whenever the cuDNN module is built and the CUTLASS headers are found.
+set(MAXATTN_SM90 AUTO CACHE STRING "Build the sm90 kernels into _maxattn_cuda (AUTO, ON or OFF)")
 
 set(maxattn_py_cutlass "")
 if(NOT MAXATTN_CUTLASS_INCLUDE_DIR)

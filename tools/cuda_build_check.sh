@@ -10,7 +10,7 @@ if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
   echo "[cuda-check] no nvcc on this machine: cuDNN module not built"; exit 0
 fi
 export PATH="$PATH:/usr/local/cuda/bin"
-$py -m pip install -q "nvidia-cudnn-frontend>=1.10"
+$py -m pip install -q "nvidia-cudnn-frontend>=1.10" "nvidia-cutlass==4.2.0.0"  # CUTLASS: the sm90 kernels
 cmake -S . -B build/cuda-check -DMAXATTN_CUDA=ON -DMAXATTN_BUILD_TESTS=OFF \
   -DPython_EXECUTABLE="$py" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build/cuda-check -j "$(nproc)" --target _maxattn_cuda

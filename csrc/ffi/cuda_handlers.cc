@@ -11,6 +11,10 @@
 #include "ffi/handler.h"
 #include "ffi/handlers.h"
 #include "maxattn/cudnn/cudnn_attention.h"
+#include "maxattn/device_scope.h"
+#ifdef MAXATTN_HAS_SM90
+#include "maxattn/sm90/sm90_attention.h"
+#endif
 
 namespace maxattn::ffi_glue {
 namespace {
@@ -66,7 +70,36 @@ struct CudaPlatform {
   }
 };
 
+#ifdef MAXATTN_HAS_SM90
+// Our Hopper forward (csrc/maxattn/sm90/). Forward only: its backward runs on
+// the cuDNN target (python/maxattn/_src/backends/sm90.py).
+struct Sm90Platform {
+  static constexpr const char* kForwardName = "maxattn_attention_fwd_sm90";
+  static ffi::DataType BiasType(ffi::DataType input) { return input; }  // no bias is supported
+  using Context = ContextTypes<cudaStream_t, int32_t>;
+  static auto Bind() {
+    return ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // the call's CUDA stream
+        .Ctx<ffi::DeviceOrdinal>();                // the call's device
+  }
+  static ffi::Error Forward(cudaStream_t stream, int32_t device, const DecodedCall& call,
+                            const ForwardOutputs& outputs) {
+    return Guarded(kForwardName, [&] {
+      DeviceScope scope(device);
+      if (scope.status() != cudaSuccess) {
+        return Status::Internal(std::string("cudaSetDevice failed: ") + cudaGetErrorString(scope.status()));
+      }
+      return AttentionForwardSm90(call.shape, call.options, call.inputs, outputs, stream);
+    });
+  }
+};
+#endif
+
 }  // namespace
+
+#ifdef MAXATTN_HAS_SM90
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionFwdSm90, (Handler<Sm90Platform, Forward>{}), BindForward<Sm90Platform>());
+#endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionFwdCuda, (Handler<CudaPlatform, Forward>{}), BindForward<CudaPlatform>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionBwdCuda, (Handler<CudaPlatform, Backward>{}),

@@ -14,6 +14,9 @@
 
 #include "maxattn/cudnn/cudnn_attention.h"
 #include "ffi/handlers.h"
+#ifdef MAXATTN_HAS_SM90
+#include "maxattn/sm90/sm90_attention.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -57,6 +60,49 @@ std::optional<std::string> UnsupportedReason(const Shape& sizes, const std::stri
   return status.message();
 }
 
+#ifdef MAXATTN_HAS_SM90
+// maxattn::Sm90UnsupportedReason for a call described from Python. The kernel
+// also checks pointer alignment; XLA's buffers are aligned, so the description
+// uses aligned stand-ins for the operands that are present.
+std::optional<std::string> Sm90Reason(const Shape& sizes, const std::string& dtype, float scale, bool causal,
+                                      int alignment, int64_t window_left, int64_t window_right, float softcap,
+                                      float dropout_rate, bool bias, bool mask, bool padding, bool segments,
+                                      bool sink) {
+  maxattn::AttentionInputs inputs;
+  if (dtype == "bfloat16") {
+    inputs.dtype = maxattn::DType::kBFloat16;
+  } else if (dtype == "float16") {
+    inputs.dtype = maxattn::DType::kFloat16;
+  } else {
+    return "sm90 backend: dtype must be bfloat16 or float16 (got " + dtype + ")";
+  }
+  alignas(256) static const char kStandIn[256] = {};  // never dereferenced
+  const void* p = kStandIn;
+  inputs.q = inputs.k = inputs.v = p;
+  if (bias) inputs.bias = static_cast<const float*>(p);
+  if (mask) inputs.mask = static_cast<const bool*>(p);
+  if (padding) {
+    inputs.q_seq_lengths = static_cast<const int32_t*>(p);
+    inputs.kv_seq_lengths = static_cast<const int32_t*>(p);
+  }
+  if (segments) {
+    inputs.q_segment_ids = static_cast<const int32_t*>(p);
+    inputs.kv_segment_ids = static_cast<const int32_t*>(p);
+  }
+  if (sink) inputs.sink_logits = static_cast<const float*>(p);
+  const auto [B, T, S, N, K, H, Hv] = sizes;
+  maxattn::AttentionOptions options;
+  options.scale = scale;
+  options.causal = causal;
+  options.alignment = static_cast<maxattn::CausalAlignment>(alignment);
+  options.window_left = window_left;
+  options.window_right = window_right;
+  options.softcap = softcap;
+  options.dropout_rate = dropout_rate;
+  return maxattn::Sm90UnsupportedReason(maxattn::AttentionShape{B, T, S, N, K, H, Hv}, options, inputs);
+}
+#endif
+
 }  // namespace
 
 using maxattn::ffi_glue::HandlerAddress;
@@ -67,6 +113,9 @@ NB_MODULE(_maxattn_cuda, m) {
     nb::dict targets;
     targets["maxattn_attention_fwd_cuda"] = nb::capsule(HandlerAddress(maxattn::ffi_glue::MaxattnAttentionFwdCuda));
     targets["maxattn_attention_bwd_cuda"] = nb::capsule(HandlerAddress(maxattn::ffi_glue::MaxattnAttentionBwdCuda));
+#ifdef MAXATTN_HAS_SM90
+    targets["maxattn_attention_fwd_sm90"] = nb::capsule(HandlerAddress(maxattn::ffi_glue::MaxattnAttentionFwdSm90));
+#endif
     return targets;
   });
   m.def("unsupported_reason", &UnsupportedReason, nb::arg("sizes"), nb::arg("dtype"), nb::kw_only(),
@@ -74,6 +123,13 @@ NB_MODULE(_maxattn_cuda, m) {
         nb::arg("softcap"), nb::arg("dropout_rate"), nb::arg("bias"), nb::arg("masked_by_bias"),
         nb::arg("padding"), nb::arg("sink"),
         "None if the cudnn backend can run the described call, else the reason (cudnn::CheckSupported).");
+#ifdef MAXATTN_HAS_SM90
+  m.def("sm90_unsupported_reason", &Sm90Reason, nb::arg("sizes"), nb::arg("dtype"), nb::kw_only(),
+        nb::arg("scale"), nb::arg("causal"), nb::arg("alignment"), nb::arg("window_left"), nb::arg("window_right"),
+        nb::arg("softcap"), nb::arg("dropout_rate"), nb::arg("bias"), nb::arg("mask"), nb::arg("padding"),
+        nb::arg("segments"), nb::arg("sink"),
+        "None if the sm90 kernels can run the described call, else the reason (Sm90UnsupportedReason).");
+#endif
   m.def("cudnn_version", []() { return maxattn::cudnn::RuntimeVersion(); },
         "The cuDNN version loaded in this process (cudnnGetVersion()).");
   m.def("cudnn_compiled_version", []() { return CUDNN_VERSION; }, "The cuDNN version this module was compiled against.");

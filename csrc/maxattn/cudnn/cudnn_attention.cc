@@ -8,7 +8,7 @@
 #include <cudnn.h>
 #include <cudnn_frontend.h>
 
-#include "maxattn/cudnn/device_scope.h"
+#include "maxattn/device_scope.h"
 #include "maxattn/cudnn/kernels.h"
 #include "maxattn/cudnn/sdpa_graph.h"
 #include "maxattn/fault_injection.h"

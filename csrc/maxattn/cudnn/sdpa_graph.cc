@@ -1,6 +1,6 @@
 #include "maxattn/cudnn/sdpa_graph.h"
 
-#include "maxattn/cudnn/device_scope.h"
+#include "maxattn/device_scope.h"
 
 #include <atomic>
 #include <cstring>

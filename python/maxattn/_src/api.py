@@ -12,7 +12,7 @@ from maxattn._src.call import Call
 from maxattn._src.canonicalize import canonicalize, check_implementation
 from maxattn._src.warn import warn_once
 
-Implementation = Literal["cpu", "cudnn", "xla"]
+Implementation = Literal["cpu", "cudnn", "sm90", "xla"]
 
 
 def _choose_backend(implementation: Optional[str], call: Call) -> Optional[str]:
@@ -137,8 +137,11 @@ def dot_product_attention(
         ``softmax_type="learnable"``. Differentiable.
       implementation: None (auto: the platform's fused backend when it can run
         the call, else "xla" with a one-time warning naming the reason),
-        "cpu" (C++ kernels), "cudnn" (GPU) or "xla" (pure JAX reference). An
-        explicitly requested backend that cannot run the call raises ValueError.
+        "cpu" (C++ kernels), "cudnn" (GPU), "sm90" (our Hopper forward kernel,
+        in-kernel max_logit; cuDNN's backward; no bias, mask, segment ids,
+        sinks, dropout or soft cap yet; chosen only when asked for) or "xla"
+        (pure JAX reference). An explicitly requested backend that cannot run
+        the call raises ValueError with the reason.
       return_max_logit: also return ``aux["max_logit"]``.
       return_lse: also return ``aux["lse"]``.
       return_residual: jax.nn's spelling: return ``(out, residual)`` where the

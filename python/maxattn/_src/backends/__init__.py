@@ -15,6 +15,7 @@ _MODULES = {
     "xla": "maxattn._src.backends.xla",
     "cpu": "maxattn._src.backends.cpu",
     "cudnn": "maxattn._src.backends.cudnn",
+    "sm90": "maxattn._src.backends.sm90",
 }
 # The fused backend `implementation=None` prefers on each JAX platform.
 _PREFERRED = {"cpu": "cpu", "gpu": "cudnn", "cuda": "cudnn"}

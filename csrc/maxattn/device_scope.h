@@ -1,11 +1,11 @@
 // RAII: makes a CUDA device current for the calling thread while in scope.
-// Internal to csrc/maxattn/cudnn/.
-#ifndef MAXATTN_CUDNN_DEVICE_SCOPE_H_
-#define MAXATTN_CUDNN_DEVICE_SCOPE_H_
+// Shared by the CUDA backends (cudnn/, sm90) and their FFI glue.
+#ifndef MAXATTN_DEVICE_SCOPE_H_
+#define MAXATTN_DEVICE_SCOPE_H_
 
 #include <cuda_runtime_api.h>
 
-namespace maxattn::cudnn {
+namespace maxattn {
 
 class DeviceScope {
  public:
@@ -29,6 +29,6 @@ class DeviceScope {
   cudaError_t status_ = cudaSuccess;
 };
 
-}  // namespace maxattn::cudnn
+}  // namespace maxattn
 
-#endif  // MAXATTN_CUDNN_DEVICE_SCOPE_H_
+#endif  // MAXATTN_DEVICE_SCOPE_H_
