@@ -24,6 +24,26 @@ namespace {
 
 using Shape = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
+// The call described from Python (sizes B, T, S, N, K, H, Hv and the AttentionOptions
+// members, as Options.ffi_attributes() names them) in the core's structs.
+maxattn::AttentionShape ToShape(const Shape& sizes) {
+  const auto [B, T, S, N, K, H, Hv] = sizes;
+  return maxattn::AttentionShape{B, T, S, N, K, H, Hv};
+}
+
+maxattn::AttentionOptions ToOptions(float scale, bool causal, int alignment, int64_t window_left,
+                                    int64_t window_right, float softcap, float dropout_rate) {
+  maxattn::AttentionOptions options;
+  options.scale = scale;
+  options.causal = causal;
+  options.alignment = static_cast<maxattn::CausalAlignment>(alignment);
+  options.window_left = window_left;
+  options.window_right = window_right;
+  options.softcap = softcap;
+  options.dropout_rate = dropout_rate;
+  return options;
+}
+
 // cudnn::CheckSupported for a call described from Python: None if the backend
 // can run it, else the reason. Arguments: the sizes (B, T, S, N, K, H, Hv), the
 // dtype's name, the AttentionOptions members, and the CallFeatures flags.
@@ -45,17 +65,9 @@ std::optional<std::string> UnsupportedReason(const Shape& sizes, const std::stri
   features.masked_by_bias = masked_by_bias;
   features.padding = padding;
   features.sink = sink;
-  const auto [B, T, S, N, K, H, Hv] = sizes;
-  const maxattn::AttentionShape shape{B, T, S, N, K, H, Hv};
-  maxattn::AttentionOptions options;
-  options.scale = scale;
-  options.causal = causal;
-  options.alignment = static_cast<maxattn::CausalAlignment>(alignment);
-  options.window_left = window_left;
-  options.window_right = window_right;
-  options.softcap = softcap;
-  options.dropout_rate = dropout_rate;
-  const maxattn::Status status = maxattn::cudnn::CheckSupported(shape, options, features);
+  const maxattn::Status status = maxattn::cudnn::CheckSupported(
+      ToShape(sizes), ToOptions(scale, causal, alignment, window_left, window_right, softcap, dropout_rate),
+      features);
   if (status.ok()) return std::nullopt;
   return status.message();
 }
@@ -90,16 +102,9 @@ std::optional<std::string> Sm90Reason(const Shape& sizes, const std::string& dty
     inputs.kv_segment_ids = static_cast<const int32_t*>(p);
   }
   if (sink) inputs.sink_logits = static_cast<const float*>(p);
-  const auto [B, T, S, N, K, H, Hv] = sizes;
-  maxattn::AttentionOptions options;
-  options.scale = scale;
-  options.causal = causal;
-  options.alignment = static_cast<maxattn::CausalAlignment>(alignment);
-  options.window_left = window_left;
-  options.window_right = window_right;
-  options.softcap = softcap;
-  options.dropout_rate = dropout_rate;
-  return maxattn::Sm90UnsupportedReason(maxattn::AttentionShape{B, T, S, N, K, H, Hv}, options, inputs);
+  return maxattn::Sm90UnsupportedReason(
+      ToShape(sizes), ToOptions(scale, causal, alignment, window_left, window_right, softcap, dropout_rate),
+      inputs);
 }
 #endif
 

@@ -118,9 +118,7 @@ def fold(fn: Callable[..., NamedTuple]) -> Callable[..., NamedTuple]:
             return tuple(unfolded), _batched_spec(unfolded)
 
         def run(arrays):
-            return result_type_of(wrapped(*arrays))
-
-        def result_type_of(outs):
+            outs = wrapped(*arrays)  # traces call_fn first, which records the result type
             return result_type[0](*outs)
 
         return run
