@@ -32,7 +32,8 @@ maxattn::AttentionShape ToShape(const Shape& sizes) {
 }
 
 maxattn::AttentionOptions ToOptions(float scale, bool causal, int alignment, int64_t window_left,
-                                    int64_t window_right, float softcap, float dropout_rate) {
+                                    int64_t window_right, float softcap, float dropout_rate,
+                                    int64_t max_segments) {
   maxattn::AttentionOptions options;
   options.scale = scale;
   options.causal = causal;
@@ -41,6 +42,7 @@ maxattn::AttentionOptions ToOptions(float scale, bool causal, int alignment, int
   options.window_right = window_right;
   options.softcap = softcap;
   options.dropout_rate = dropout_rate;
+  options.max_segments = max_segments;
   return options;
 }
 
@@ -49,8 +51,8 @@ maxattn::AttentionOptions ToOptions(float scale, bool causal, int alignment, int
 // dtype's name, the AttentionOptions members, and the CallFeatures flags.
 std::optional<std::string> UnsupportedReason(const Shape& sizes, const std::string& dtype, float scale, bool causal,
                                              int alignment, int64_t window_left, int64_t window_right,
-                                             float softcap, float dropout_rate, bool bias, bool masked_by_bias,
-                                             bool padding, bool sink) {
+                                             float softcap, float dropout_rate, int64_t max_segments, bool bias,
+                                             bool masked_by_bias, bool padding, bool sink) {
   maxattn::cudnn::CallFeatures features;
   if (dtype == "bfloat16") {
     features.dtype = maxattn::DType::kBFloat16;
@@ -66,7 +68,7 @@ std::optional<std::string> UnsupportedReason(const Shape& sizes, const std::stri
   features.padding = padding;
   features.sink = sink;
   const maxattn::Status status = maxattn::cudnn::CheckSupported(
-      ToShape(sizes), ToOptions(scale, causal, alignment, window_left, window_right, softcap, dropout_rate),
+      ToShape(sizes), ToOptions(scale, causal, alignment, window_left, window_right, softcap, dropout_rate, max_segments),
       features);
   if (status.ok()) return std::nullopt;
   return status.message();
@@ -78,8 +80,8 @@ std::optional<std::string> UnsupportedReason(const Shape& sizes, const std::stri
 // uses aligned stand-ins for the operands that are present.
 std::optional<std::string> Sm90Reason(const Shape& sizes, const std::string& dtype, float scale, bool causal,
                                       int alignment, int64_t window_left, int64_t window_right, float softcap,
-                                      float dropout_rate, bool bias, bool mask, bool padding, bool segments,
-                                      bool sink) {
+                                      float dropout_rate, int64_t max_segments, bool bias, bool mask,
+                                      bool padding, bool segments, bool sink) {
   maxattn::AttentionInputs inputs;
   if (dtype == "bfloat16") {
     inputs.dtype = maxattn::DType::kBFloat16;
@@ -103,7 +105,7 @@ std::optional<std::string> Sm90Reason(const Shape& sizes, const std::string& dty
   }
   if (sink) inputs.sink_logits = static_cast<const float*>(p);
   return maxattn::Sm90UnsupportedReason(
-      ToShape(sizes), ToOptions(scale, causal, alignment, window_left, window_right, softcap, dropout_rate),
+      ToShape(sizes), ToOptions(scale, causal, alignment, window_left, window_right, softcap, dropout_rate, max_segments),
       inputs);
 }
 #endif
@@ -125,13 +127,13 @@ NB_MODULE(_maxattn_cuda, m) {
   });
   m.def("unsupported_reason", &UnsupportedReason, nb::arg("sizes"), nb::arg("dtype"), nb::kw_only(),
         nb::arg("scale"), nb::arg("causal"), nb::arg("alignment"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("softcap"), nb::arg("dropout_rate"), nb::arg("bias"), nb::arg("masked_by_bias"),
+        nb::arg("softcap"), nb::arg("dropout_rate"), nb::arg("max_segments"), nb::arg("bias"), nb::arg("masked_by_bias"),
         nb::arg("padding"), nb::arg("sink"),
         "None if the cudnn backend can run the described call, else the reason (cudnn::CheckSupported).");
 #ifdef MAXATTN_HAS_SM90
   m.def("sm90_unsupported_reason", &Sm90Reason, nb::arg("sizes"), nb::arg("dtype"), nb::kw_only(),
         nb::arg("scale"), nb::arg("causal"), nb::arg("alignment"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("softcap"), nb::arg("dropout_rate"), nb::arg("bias"), nb::arg("mask"), nb::arg("padding"),
+        nb::arg("softcap"), nb::arg("dropout_rate"), nb::arg("max_segments"), nb::arg("bias"), nb::arg("mask"), nb::arg("padding"),
         nb::arg("segments"), nb::arg("sink"),
         "None if the sm90 kernels can run the described call, else the reason (Sm90UnsupportedReason).");
 #endif

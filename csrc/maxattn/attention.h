@@ -117,7 +117,15 @@ struct AttentionOptions {
   int64_t window_right = -1;  // < 0: unbounded
   float softcap = 0.0f;       // <= 0: no soft cap
   float dropout_rate = 0.0f;  // in [0, 1); > 0 needs inputs.dropout_seed
+  // > 0: the caller promises that every row of the segment ids is at most this
+  // many contiguous runs, listed in the same order for queries and keys (see
+  // python/maxattn/_src/segments.py). A backend may then run the rows as
+  // ragged sequences; the result is the dense rule's wherever the promise
+  // holds. 0: no promise. At most kMaxSegmentsPerRow; needs segment ids.
+  int64_t max_segments = 0;
 };
+
+inline constexpr int64_t kMaxSegmentsPerRow = 1024;
 
 // Read-only inputs shared by forward and backward. Optional pointers are null
 // when the feature is absent.

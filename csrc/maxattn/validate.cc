@@ -94,6 +94,13 @@ Status ValidateShapeAndOptions(const AttentionShape& shape, const AttentionOptio
     return Status::InvalidArgument(
         "q_segment_ids and kv_segment_ids must be given together (got only one)");
   }
+  if (options.max_segments < 0 || options.max_segments > kMaxSegmentsPerRow) {
+    return Status::InvalidArgument("max_segments (" + Str(options.max_segments) + ") must be in [0, " +
+                                   Str(kMaxSegmentsPerRow) + "]");
+  }
+  if (options.max_segments > 0 && inputs.q_segment_ids == nullptr) {
+    return Status::InvalidArgument("max_segments > 0 needs q_segment_ids and kv_segment_ids (got none)");
+  }
   return Status::Ok();
 }
 

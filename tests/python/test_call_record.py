@@ -36,7 +36,7 @@ def test_canonicalize_builds_one_record():
     np.testing.assert_array_equal(ops.sink_logits, np.zeros(4, np.float32))
     # The attributes are exactly the C++ AttentionOptions members.
     assert list(o.ffi_attributes()) == ["scale", "causal", "alignment", "window_left", "window_right", "softcap",
-                                        "dropout_rate"]
+                                        "dropout_rate", "max_segments"]
     # A pytree: options are static metadata, operands the leaves.
     leaves, tree = jax.tree.flatten(call)
     assert len(leaves) == 5 and jax.tree.unflatten(tree, leaves).options == o

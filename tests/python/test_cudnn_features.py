@@ -408,3 +408,203 @@ def test_dropout_vmap_gives_independent_masks(impl):
     for i in range(len(masks)):
         for j in range(i):
             assert (masks[i] != masks[j]).mean() > 0.15, f"instances {j} and {i} share a dropout mask"
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed rows as ragged sequences: max_segments_per_row
+# --------------------------------------------------------------------------------------------------
+# "cudnn" runs these as cuDNN ragged sequences (csrc/maxattn/cudnn/ragged.h); "cpu" and "xla" ignore
+# the bound and compute the dense segment-id rule: the same float64 oracle checks all three.
+
+RAGGED_BACKENDS = BACKENDS + [pytest.param("xla", id="xla")]
+
+
+@pytest.fixture(params=RAGGED_BACKENDS)
+def ragged_impl(request) -> str:
+    return request.param
+
+
+def _unequal_runs(rng, L, n, first_id=1, min_len=1):
+    """n segments of random unequal lengths (some of length 1) filling most of L, then padding."""
+    cuts = np.sort(rng.choice(np.arange(1, L - 4), size=n - 1, replace=False)) if n > 1 else np.array([], int)
+    lengths = np.diff(np.concatenate([[0], cuts, [L - 4]]))
+    if n >= 4:
+        lengths[1] = 1  # a length-1 segment (the rest goes to its neighbour)
+        lengths[0] = max(min_len, lengths[0])
+    runs, used = [], 0
+    for m, length in enumerate(lengths):
+        length = int(min(length, L - used))
+        if length <= 0:
+            break
+        runs.append((first_id + m, length))
+        used += length
+    return runs
+
+
+def _ragged_ids(seed, B, L, counts):
+    """[B, L] ids: row b has counts[b] unequal segments (0 = an all-padding row)."""
+    rng = np.random.default_rng(seed)
+    return _runs(B, L, [[] if c == 0 else _unequal_runs(rng, L, c) for c in counts])
+
+
+# name: (B, T, S, N, K, H, Hv, segments per row, M, kwargs). T == S: the query and key rows share
+# their segment ids (kv ids = q ids).
+RAGGED_CASES = {
+    "b1_one_segment": (1, 128, 128, 4, 4, 64, 64, [1], 1, {}),
+    "b3_unequal_16": (3, 256, 256, 4, 4, 64, 64, [16, 5, 0], 16, {}),
+    "b3_causal_gqa": (3, 256, 256, 8, 2, 128, 128, [7, 16, 1], 16, {"is_causal": True}),
+    "b3_causal_bottom_right": (3, 192, 192, 4, 2, 64, 64, [4, 9, 0], 12,
+                               {"is_causal": True, "causal_alignment": "bottom_right"}),
+    "b2_window_h128": (2, 256, 256, 4, 4, 128, 128, [6, 3], 8, {"local_window_size": (24, 8)}),
+    "b2_causal_window_lengths": (2, 192, 192, 4, 2, 64, 64, [5, 8], 8,
+                                 {"is_causal": True, "local_window_size": (16, 0),
+                                  "query_seq_lengths": [150, 192], "key_value_seq_lengths": [150, 192]}),
+    "b3_bound_above_count": (3, 128, 128, 2, 1, 64, 64, [3, 2, 1], 64, {}),
+}
+
+
+def _ragged_inputs(name, seed=0):
+    B, T, S, N, K, H, Hv, counts, M, kw = RAGGED_CASES[name]
+    q, k, v = random_inputs(seed, B, T, S, N, K, H, Hv, DT)
+    ids = _i32(_ragged_ids(seed + 7, B, T, counts))
+    kwargs = {key: (_i32(val) if "lengths" in key else val) for key, val in kw.items()}
+    kwargs.update(q_segment_ids=ids, kv_segment_ids=ids, max_segments_per_row=M)
+    rng = np.random.default_rng(seed + 300)
+    _, ct_out, ct_lse = bias_and_cotangents(rng, B, T, S, N, Hv, None, DT)
+    return q, k, v, ct_out, ct_lse, kwargs
+
+
+def _check_ragged(impl, q, k, v, ct_out, ct_lse, kwargs):
+    out, aux, grads = jax.jit(lambda *a: loss_and_grads(_attn(impl), *a, **kwargs))(q, k, v, None, ct_out, ct_lse)
+    r_out, r_aux, r_grads = reference64(q, k, v, None, ct_out, ct_lse, **kwargs)
+    _check_against(out, aux, list(zip(("dq", "dk", "dv"), grads, r_grads)), r_out, r_aux, r_grads)
+    # Padding and segment-less rows: out 0, lse -inf, no NaN anywhere.
+    empty = np.isneginf(r_aux["lse"])
+    if empty.any():
+        assert np.all(np.asarray(out, np.float32).transpose(0, 2, 1, 3)[empty] == 0)
+        assert np.all(np.isneginf(np.asarray(aux["lse"])[empty]))
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    for g in grads:
+        assert not np.isnan(np.asarray(g, np.float32)).any()
+    return out, aux
+
+
+@pytest.mark.parametrize("name", list(RAGGED_CASES))
+def test_ragged_segments_match_reference(ragged_impl, name):
+    _check_ragged(ragged_impl, *_ragged_inputs(name))
+
+
+def test_ragged_cross_attention_unequal_segment_lengths(ragged_impl):
+    """T != S without a band: the m-th query segment attends the m-th key segment, of another length."""
+    B, T, S, N, K, H = 3, 96, 160, 4, 2, 64
+    q, k, v = random_inputs(5, B, T, S, N, K, H, H, DT)
+    q_ids = _runs(B, T, [[(1, 10), (2, 1), (3, 60)], [(4, 96)], [(1, 3), (2, 40)]])
+    kv_ids = _runs(B, S, [[(1, 70), (2, 30), (3, 1)], [(4, 100)], [(1, 1), (2, 150)]])
+    rng = np.random.default_rng(55)
+    _, ct_out, ct_lse = bias_and_cotangents(rng, B, T, S, N, H, None, DT)
+    kwargs = dict(q_segment_ids=_i32(q_ids), kv_segment_ids=_i32(kv_ids), max_segments_per_row=4)
+    _check_ragged(ragged_impl, q, k, v, ct_out, ct_lse, kwargs)
+
+
+def test_ragged_max_logit_spike_in_one_segment(ragged_impl):
+    """A huge q.k product across two segments must not count; a large one inside a segment must."""
+    B, T, N, H = 3, 256, 4, 64
+    q, k, v = random_inputs(11, B, T, T, N, N, H, H, DT)
+    ids = _ragged_ids(12, B, T, [6, 10, 3])
+    row = ids[1]
+    long_ids = [i for i in range(1, 11) if (row == i).sum() >= 2][:2]  # two segments of row 1 with 2+ tokens
+    starts = [int(np.argmax(row == i)) for i in long_ids]
+    u = np.ones(H, np.float32) / np.sqrt(H)
+    qn, kn = np.asarray(q, np.float32), np.asarray(k, np.float32)
+    qn[1, starts[0], 2] = 40 * u  # with key starts[1] (another segment): logit 1600 * scale, not visible
+    kn[1, starts[1], 2] = 40 * u
+    qn[1, starts[1] + 1, 2] = 12 * u  # with key starts[1] (same segment, earlier): logit 480 * scale
+    q, k = jnp.asarray(qn, DT), jnp.asarray(kn, DT)
+    rng = np.random.default_rng(13)
+    _, ct_out, ct_lse = bias_and_cotangents(rng, B, T, T, N, H, None, DT)
+    kwargs = dict(q_segment_ids=_i32(ids), kv_segment_ids=_i32(ids), max_segments_per_row=16, is_causal=True)
+    _, aux = _check_ragged(ragged_impl, q, k, v, ct_out, ct_lse, kwargs)
+    mx = float(aux["max_logit"][2])
+    assert 400 * H ** -0.5 < mx < 1000 * H ** -0.5, mx
+
+
+def test_ragged_vmap_folds_into_the_batch(ragged_impl):
+    """vmap over stacked inputs with their own segment ids equals the per-instance calls."""
+    q, k, v, _, _, kwargs = _ragged_inputs("b3_causal_gqa", seed=3)
+    ids2 = _i32(_ragged_ids(99, 3, 256, [2, 11, 0]))
+    qs, ids = jnp.stack([q, q[:, ::-1]]), jnp.stack([kwargs["q_segment_ids"], ids2])
+    kw = {key: val for key, val in kwargs.items() if "segment_ids" not in key}
+    f = lambda qq, ii: _attn(ragged_impl)(qq, k, v, None, q_segment_ids=ii, kv_segment_ids=ii,
+                                          return_max_logit=True, return_lse=True, **kw)
+    outs, aux = jax.jit(jax.vmap(f))(qs, ids)
+    for i in range(2):
+        with x64():
+            r_out, r_aux = maxattn.reference(*(jnp.asarray(np.asarray(x, np.float64)) for x in (qs[i], k, v)),
+                                             q_segment_ids=ids[i], kv_segment_ids=ids[i],
+                                             return_max_logit=True, return_lse=True, **kw)
+        assert_close(outs[i], np.asarray(r_out), TOL, f"out[{i}]")
+        assert_close(aux["lse"][i], np.asarray(r_aux["lse"]), TOL, f"lse[{i}]")
+        assert_max_logit_close(np.asarray(aux["max_logit"][i], np.float64), np.asarray(r_aux["max_logit"]), MTOL)
+
+
+# Rows that break the max_segments promise: id 1 in two runs (row 0), more runs than M = 3 (row 2).
+_BROKEN = [[(1, 30), (2, 30), (1, 30)], [(1, 50), (2, 40)], [(1, 20), (2, 20), (3, 20), (4, 20)]]
+
+
+def test_ragged_broken_rows_are_nan_on_cudnn_and_exact_elsewhere(ragged_impl):
+    """The documented contract: cudnn's ragged path poisons (NaN) exactly the rows that break the
+    promise and is exact on the others; cpu and xla compute the dense rule on every row."""
+    B, T, N, H = 3, 128, 4, 64
+    q, k, v = random_inputs(21, B, T, T, N, N, H, H, DT)
+    ids = _i32(_runs(B, T, _BROKEN))
+    kwargs = dict(q_segment_ids=ids, kv_segment_ids=ids, max_segments_per_row=3)
+    out, aux = jax.jit(lambda q, k, v: _attn(ragged_impl)(q, k, v, None, return_max_logit=True, return_lse=True,
+                                                          **kwargs))(q, k, v)
+    with x64():
+        r_out, r_aux = maxattn.reference(*(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)),
+                                         return_max_logit=True, return_lse=True, **kwargs)
+    out, lse = np.asarray(out, np.float32), np.asarray(aux["lse"])
+    r_out, r_lse = np.asarray(r_out), np.asarray(r_aux["lse"])
+    if ragged_impl != "cudnn":
+        assert_close(out, r_out, TOL, "out")
+        assert_close(lse, r_lse, TOL, "lse")
+        assert_max_logit_close(np.asarray(aux["max_logit"], np.float64), np.asarray(r_aux["max_logit"]), MTOL)
+        return
+    for b in (0, 2):
+        assert np.isnan(out[b]).all() and np.isnan(lse[b]).all(), f"row {b} breaks the promise: NaN expected"
+    assert_close(out[1], r_out[1], TOL, "out[1]")
+    assert_close(lse[1], r_lse[1], TOL, "lse[1]")
+    assert np.isnan(np.asarray(aux["max_logit"])).all()
+    # Gradients of broken rows are zero, of the kept row exact.
+    ct = jnp.asarray(np.random.default_rng(3).standard_normal(out.shape), jnp.float32)
+    loss = lambda q, k, v: jnp.sum(_attn(ragged_impl)(q, k, v, None, **kwargs).astype(jnp.float32) * ct)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    zero_lse = jnp.zeros((B, N, T), jnp.float32)
+    _, _, r_grads = reference64(q[1:2], k[1:2], v[1:2], None, ct[1:2], zero_lse[1:2],
+                                **{key: (val[1:2] if "segment_ids" in key else val) for key, val in kwargs.items()})
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, r_grads):
+        g = np.asarray(g, np.float32)
+        assert np.all(g[[0, 2]] == 0), f"{name} of broken rows must be zero"
+        assert_close(g[1:2], rg, TOL, name)
+
+
+@pytest.mark.parametrize("extra", ["bias", "mask", "dropout", "sink"])
+def test_ragged_bound_ignored_with_dense_only_features(impl, extra):
+    """With a bias, mask, dropout or sinks the bound is dropped (cudnn warns once) and results stay exact."""
+    q, k, v, ct_out, ct_lse, kwargs = _ragged_inputs("b3_causal_gqa", seed=17)
+    B, T, N = q.shape[0], q.shape[1], q.shape[2]
+    bias = None
+    rng = np.random.default_rng(4)
+    if extra == "bias":
+        bias = jnp.asarray(rng.standard_normal((1, N, T, T)), DT)
+    elif extra == "mask":
+        kwargs["mask"] = jnp.asarray(rng.random((1, 1, T, T)) < 0.8)
+    elif extra == "sink":
+        kwargs["softmax_type"] = "off_by_one"
+    if extra == "dropout":
+        out = _attn(impl)(q, k, v, None, dropout_rate=0.1, dropout_rng=jax.random.key(0), **kwargs)
+        assert out.shape == q.shape and not np.isnan(np.asarray(out, np.float32)).any()
+        return
+    out, aux, grads = jax.jit(lambda *a: loss_and_grads(_attn(impl), *a, **kwargs))(q, k, v, bias, ct_out, ct_lse)
+    r_out, r_aux, r_grads = reference64(q, k, v, bias, ct_out, ct_lse, **kwargs)
+    _check_against(out, aux, list(zip(("dq", "dk", "dv", "dbias"), grads, r_grads)), r_out, r_aux, r_grads)

@@ -3,6 +3,7 @@
 #include "maxattn/cudnn/cudnn_attention.h"
 
 #include <string>
+#include <tuple>
 #include <unordered_map>
 
 #include <cudnn.h>
@@ -10,6 +11,7 @@
 
 #include "maxattn/device_scope.h"
 #include "maxattn/cudnn/kernels.h"
+#include "maxattn/cudnn/ragged.h"
 #include "maxattn/cudnn/sdpa_graph.h"
 #include "maxattn/fault_injection.h"
 
@@ -24,9 +26,14 @@ Status CudaStatus(cudaError_t err, const char* what) {
   return Status::Internal(std::string(what) + " failed: " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
 }
 
+bool Ragged(const AttentionOptions& options) { return options.max_segments > 0; }
+
 // Buffer-versus-buffer consistency of a call (the support decision is CheckSupported's).
-Status CheckConsistent(const AttentionShape& shape, const AttentionInputs& inputs) {
-  if ((inputs.mask || inputs.q_segment_ids) && !inputs.bias) {
+Status CheckConsistent(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs) {
+  if (Ragged(options) && (!inputs.q_segment_ids || !inputs.kv_segment_ids)) {
+    return Status::InvalidArgument("the cudnn backend's ragged path (max_segments > 0) needs segment ids");
+  }
+  if ((inputs.mask || (inputs.q_segment_ids && !Ragged(options))) && !inputs.bias) {
     return Status::InvalidArgument(
         "the cudnn backend needs a dense mask or segment ids folded into the bias (see cudnn_attention.h)");
   }
@@ -40,15 +47,17 @@ Status CheckConsistent(const AttentionShape& shape, const AttentionInputs& input
 }
 
 Status CheckCall(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs) {
-  MAXATTN_RETURN_IF_ERROR(CheckConsistent(shape, inputs));
-  return CheckSupported(shape, options, FeaturesOf(inputs));
+  MAXATTN_RETURN_IF_ERROR(CheckConsistent(shape, options, inputs));
+  return CheckSupported(shape, options, FeaturesOf(inputs, options));
 }
 
 // Logits of entries a folded-in mask removes are about the dtype's lowest
 // value; a row whose statistic is below half of it saw no visible key.
 float MaskedRowThreshold(DType dtype) { return dtype == DType::kFloat16 ? -32752.0f : -1.0e38f; }
 
-bool MaskedByBias(const AttentionInputs& inputs) { return inputs.mask || inputs.q_segment_ids; }
+bool MaskedByBias(const AttentionInputs& inputs, const AttentionOptions& options) {
+  return inputs.mask || (inputs.q_segment_ids && !Ragged(options));
+}
 
 RowGeometry Geometry(const AttentionShape& s, const AttentionOptions& o, const AttentionInputs& in) {
   RowGeometry g;
@@ -115,7 +124,62 @@ Status BaseSpec(const AttentionShape& shape, const AttentionOptions& options, co
   spec->has_bias = inputs.bias != nullptr;
   spec->bias_dims = inputs.bias_dims;
   spec->dropout = options.dropout_rate;
-  return PlanMasks(shape, options, FeaturesOf(inputs), &spec->masks);
+  spec->ragged_segments = options.max_segments;
+  return PlanMasks(shape, options, FeaturesOf(inputs, options), &spec->masks);
+}
+
+// The ragged layout of a call with max_segments > 0 (ragged.h).
+RaggedProblem RaggedProblemOf(const AttentionShape& s, const AttentionOptions& o, const AttentionInputs& in) {
+  RaggedProblem p;
+  p.batch = static_cast<int32_t>(s.batch);
+  p.q_len = static_cast<int32_t>(s.q_len);
+  p.kv_len = static_cast<int32_t>(s.kv_len);
+  p.heads = static_cast<int32_t>(s.num_q_heads);
+  p.max_segments = static_cast<int32_t>(o.max_segments);
+  p.q_segment_ids = in.q_segment_ids;
+  p.kv_segment_ids = in.kv_segment_ids;
+  p.q_seq_lengths = in.q_seq_lengths;
+  p.kv_seq_lengths = in.kv_seq_lengths;
+  p.causal = o.causal;
+  p.bottom_right = o.alignment == CausalAlignment::kBottomRight;
+  p.window_left = o.window_left;
+  p.window_right = o.window_right;
+  p.q_token = s.num_q_heads * s.head_dim;
+  p.k_token = s.num_kv_heads * s.head_dim;
+  p.v_token = s.num_kv_heads * s.head_dim_v;
+  p.o_token = s.num_q_heads * s.head_dim_v;
+  p.wide_offsets = NeedsWideOffsets(p);
+  return p;
+}
+
+// The ragged layout of a call, when it has one: reserved, then built on the stream.
+class RaggedPart {
+ public:
+  RaggedPart(const AttentionShape& s, const AttentionOptions& o, const AttentionInputs& in, GraphSpec* spec)
+      : active_(Ragged(o)) {
+    if (!active_) return;
+    problem_ = RaggedProblemOf(s, o, in);
+    spec->wide_offsets = problem_.wide_offsets;
+  }
+  bool active() const { return active_; }
+  void Reserve(Scratch& scratch) const;
+  Status Build(Scratch& scratch, cudaStream_t stream);
+  const RaggedLayout* layout() const { return active_ ? &layout_ : nullptr; }
+
+ private:
+  bool active_;
+  RaggedProblem problem_;
+  RaggedLayout layout_;
+};
+
+void RaggedPart::Reserve(Scratch& scratch) const {
+  if (active_) scratch.Reserve(RaggedLayoutBytes(problem_));
+}
+
+Status RaggedPart::Build(Scratch& scratch, cudaStream_t stream) {
+  if (!active_) return Status::Ok();
+  layout_ = CarveRaggedLayout(problem_, scratch.Take(RaggedLayoutBytes(problem_)));
+  return CudaStatus(LaunchRaggedLayout(problem_, layout_, stream), "maxattn ragged layout kernel launch");
 }
 
 // cuDNN's dropout seed and offset (two int64 in `seed`), derived on the stream
@@ -127,15 +191,25 @@ Status PrepareDropoutSeed(const GraphSpec& spec, const AttentionInputs& inputs, 
 }
 
 // Variant-pack entries forward and backward share: q, k, v, bias, sequence
-// lengths and the dropout seed/offset.
-std::unordered_map<int64_t, void*> CommonPack(const GraphSpec& spec, const AttentionInputs& inputs, int64_t* seed) {
+// lengths (a ragged call's per-segment ones) and offsets, and the dropout
+// seed/offset.
+std::unordered_map<int64_t, void*> CommonPack(const GraphSpec& spec, const AttentionInputs& inputs, int64_t* seed,
+                                              const RaggedLayout* ragged) {
   std::unordered_map<int64_t, void*> pack = {
       {kUidQ, const_cast<void*>(inputs.q)},
       {kUidK, const_cast<void*>(inputs.k)},
       {kUidV, const_cast<void*>(inputs.v)},
   };
   if (spec.has_bias) pack[kUidBias] = const_cast<float*>(inputs.bias);
-  if (spec.masks.padding) {
+  if (ragged) {
+    pack[kUidSeqLenQ] = ragged->seq_len_q;
+    pack[kUidSeqLenKv] = ragged->seq_len_kv;
+    pack[kUidRaggedQ] = ragged->offset_q;
+    pack[kUidRaggedK] = ragged->offset_k;
+    pack[kUidRaggedV] = ragged->offset_v;
+    pack[kUidRaggedO] = ragged->offset_o;
+    pack[kUidRaggedStats] = ragged->offset_stats;
+  } else if (spec.masks.padding) {
     pack[kUidSeqLenQ] = const_cast<int32_t*>(inputs.q_seq_lengths);
     pack[kUidSeqLenKv] = const_cast<int32_t*>(inputs.kv_seq_lengths);
   }
@@ -148,11 +222,11 @@ std::unordered_map<int64_t, void*> CommonPack(const GraphSpec& spec, const Atten
 
 }  // namespace
 
-CallFeatures FeaturesOf(const AttentionInputs& inputs) {
+CallFeatures FeaturesOf(const AttentionInputs& inputs, const AttentionOptions& options) {
   CallFeatures f;
   f.dtype = inputs.dtype;
   f.bias = inputs.bias != nullptr;
-  f.masked_by_bias = MaskedByBias(inputs);
+  f.masked_by_bias = MaskedByBias(inputs, options);
   f.padding = inputs.q_seq_lengths != nullptr || inputs.kv_seq_lengths != nullptr;
   f.sink = inputs.sink_logits != nullptr;
   return f;
@@ -181,7 +255,12 @@ Status CheckSupported(const AttentionShape& shape, const AttentionOptions& optio
   if (shape.batch == 0 || shape.q_len == 0 || shape.kv_len == 0 || shape.num_q_heads == 0) {
     return Status::Unimplemented("an empty batch, sequence or head axis is not supported by the cudnn backend");
   }
-  if (options.window_left >= 0 && !features.padding && shape.q_len > shape.kv_len) {
+  if (Ragged(options) && (features.bias || features.sink || options.dropout_rate > 0.0f)) {
+    return Status::Unimplemented(
+        "max_segments_per_row (segment ids as cuDNN ragged sequences) runs without a bias, mask, dropout or "
+        "sinks");
+  }
+  if (options.window_left >= 0 && !features.padding && !Ragged(options) && shape.q_len > shape.kv_len) {
     return Status::Unimplemented("cuDNN supports a sliding window only with T <= S (got T=" +
                                  std::to_string(shape.q_len) + ", S=" + std::to_string(shape.kv_len) + ")");
   }
@@ -208,9 +287,10 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
   // the graph runs the vanilla softmax and the sink is applied afterwards
   // (one pass over out); otherwise cuDNN applies it.
   const bool sink_after = has_sink && want_max;
-  const bool masked = MaskedByBias(inputs);
+  const bool masked = MaskedByBias(inputs, options);
   GraphSpec spec;
   MAXATTN_RETURN_IF_ERROR(BaseSpec(shape, options, inputs, &spec));
+  RaggedPart ragged(shape, options, inputs, &spec);
   spec.sink = has_sink && !sink_after;
   // Rows a folded-in mask empties are found from the statistics (a native
   // sink makes them 0 by itself).
@@ -227,10 +307,12 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
   const bool has_stats = spec.stats == StatsMode::kStats || spec.stats == StatsMode::kStatsMax;
   const bool need_max_rows = spec.stats == StatsMode::kMaxSumExp || spec.stats == StatsMode::kStatsMax;
   const bool need_sum_exp = spec.stats == StatsMode::kMaxSumExp;
-  const bool need_stats_scratch = has_stats && !want_lse;
+  // A ragged call's statistics are token-major: the finalize kernel writes the lse.
+  const bool need_stats_scratch = has_stats && (!want_lse || ragged.active());
   const bool need_seed = spec.dropout > 0.0f;
   Scratch scratch;
   scratch.Reserve(built->workspace_bytes);
+  ragged.Reserve(scratch);
   if (need_max_rows) scratch.Reserve(rows_bytes);
   if (need_sum_exp) scratch.Reserve(rows_bytes);
   if (need_stats_scratch) scratch.Reserve(rows_bytes);
@@ -238,6 +320,7 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
   if (need_seed) scratch.Reserve(2 * sizeof(int64_t));
   MAXATTN_RETURN_IF_ERROR(scratch.Allocate(ctx));
   void* workspace = scratch.Take(built->workspace_bytes);
+  MAXATTN_RETURN_IF_ERROR(ragged.Build(scratch, ctx.stream));
   float* row_max = need_max_rows ? static_cast<float*>(scratch.Take(rows_bytes)) : nullptr;
   float* sum_exp = need_sum_exp ? static_cast<float*>(scratch.Take(rows_bytes)) : nullptr;
   float* stats = need_stats_scratch ? static_cast<float*>(scratch.Take(rows_bytes)) : outputs.lse;
@@ -245,7 +328,7 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
   int64_t* seed = need_seed ? static_cast<int64_t*>(scratch.Take(2 * sizeof(int64_t))) : nullptr;
   MAXATTN_RETURN_IF_ERROR(PrepareDropoutSeed(spec, inputs, seed, ctx.stream));
 
-  std::unordered_map<int64_t, void*> pack = CommonPack(spec, inputs, seed);
+  std::unordered_map<int64_t, void*> pack = CommonPack(spec, inputs, seed, ragged.layout());
   pack[kUidO] = outputs.out;
   if (spec.sink) pack[kUidSink] = const_cast<float*>(inputs.sink_logits);
   if (has_stats) pack[kUidStats] = stats;
@@ -253,14 +336,21 @@ Status AttentionForwardCudnn(const AttentionShape& shape, const AttentionOptions
   if (need_sum_exp) pack[kUidSumExp] = sum_exp;
   MAXATTN_RETURN_IF_ERROR(Execute(*built, lease->handle(), pack, workspace));
 
-  const RowGeometry geometry = Geometry(shape, options, inputs);
+  RowGeometry geometry = Geometry(shape, options, inputs);
+  if (ragged.active()) geometry.row_code = ragged.layout()->q_rows;
   const bool empty_rows = geometry.MayHaveEmptyRows() || detect_masked;
   if (want_max || empty_rows || sink_after) {
     FinalizeArgs args;
     args.geometry = geometry;
+    args.token_major = ragged.active();
     args.row_max = row_max;
     args.sum_exp = (want_lse || sink_after) ? sum_exp : nullptr;  // max_logit alone needs no lse
-    args.lse = stats;  // the lse output, the Stats scratch, or null
+    if (ragged.active()) {
+      args.stats = stats;  // token-major Stats scratch (or null)
+      args.lse = outputs.lse;
+    } else {
+      args.lse = stats;  // the lse output, the Stats scratch, or null
+    }
     args.max_logit = outputs.max_logit;
     args.out = empty_rows ? outputs.out : nullptr;
     args.head_dim_v = static_cast<int32_t>(shape.head_dim_v);
@@ -318,6 +408,7 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
   // gradient comes from its own kernel.
   GraphSpec spec;
   MAXATTN_RETURN_IF_ERROR(BaseSpec(shape, options, inputs, &spec));
+  RaggedPart ragged(shape, options, inputs, &spec);
   spec.backward = true;
   spec.want_dbias = spec.has_bias && grads.dbias != nullptr;
 
@@ -327,29 +418,33 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
   MAXATTN_RETURN_IF_ERROR(GetGraph(spec, ctx.device, lease->handle(), &built));
 
   const RowGeometry geometry = Geometry(shape, options, inputs);
-  const bool empty_rows = geometry.MayHaveEmptyRows() || MaskedByBias(inputs);
-  const int64_t rows = shape.batch * shape.num_q_heads * shape.q_len;
-  const int64_t rows_bytes = rows * static_cast<int64_t>(sizeof(float));
+  // A ragged call's Stats are token-major: always a fixed copy of the lse.
+  const bool fix_lse = geometry.MayHaveEmptyRows() || MaskedByBias(inputs, options) || ragged.active();
+  const int64_t rows_bytes = shape.batch * shape.num_q_heads * shape.q_len * static_cast<int64_t>(sizeof(float));
   const bool need_seed = spec.dropout > 0.0f;
   Scratch scratch;
   scratch.Reserve(built->workspace_bytes);
-  if (empty_rows) scratch.Reserve(rows_bytes);
+  ragged.Reserve(scratch);
+  if (fix_lse) scratch.Reserve(rows_bytes);
   if (grads.dsink) scratch.Reserve(rows_bytes);
   if (need_seed) scratch.Reserve(2 * sizeof(int64_t));
   MAXATTN_RETURN_IF_ERROR(scratch.Allocate(ctx));
   void* workspace = scratch.Take(built->workspace_bytes);
+  MAXATTN_RETURN_IF_ERROR(ragged.Build(scratch, ctx.stream));
   float* sink_terms = grads.dsink ? static_cast<float*>(scratch.Take(rows_bytes)) : nullptr;
   const float* lse = saved.lse;
-  if (empty_rows) {
+  if (fix_lse) {
     float* fixed = static_cast<float*>(scratch.Take(rows_bytes));
-    MAXATTN_RETURN_IF_ERROR(
-        CudaStatus(LaunchBackwardLse(saved.lse, fixed, rows, ctx.stream), "maxattn lse kernel launch"));
+    MAXATTN_RETURN_IF_ERROR(CudaStatus(
+        LaunchBackwardLse(saved.lse, fixed, static_cast<int32_t>(shape.batch), static_cast<int32_t>(shape.num_q_heads),
+                          static_cast<int32_t>(shape.q_len), ragged.active(), ctx.stream),
+        "maxattn lse kernel launch"));
     lse = fixed;
   }
   int64_t* seed = need_seed ? static_cast<int64_t*>(scratch.Take(2 * sizeof(int64_t))) : nullptr;
   MAXATTN_RETURN_IF_ERROR(PrepareDropoutSeed(spec, inputs, seed, ctx.stream));
 
-  std::unordered_map<int64_t, void*> pack = CommonPack(spec, inputs, seed);
+  std::unordered_map<int64_t, void*> pack = CommonPack(spec, inputs, seed, ragged.layout());
   pack[kUidO] = const_cast<void*>(saved.out);
   pack[kUidDO] = const_cast<void*>(saved.dout);
   pack[kUidStats] = const_cast<float*>(lse);
@@ -367,7 +462,19 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
                            ctx.stream),
         "maxattn sink gradient kernel launch"));
   }
-  if (spec.masks.padding) {
+  if (ragged.active()) {
+    // Tokens outside every running sequence (padding, rows that see no key,
+    // poisoned rows) take no part in the result: their gradients are zero.
+    const RaggedLayout& l = *ragged.layout();
+    const int64_t q_rows = shape.batch * shape.q_len, kv_rows = shape.batch * shape.kv_len;
+    for (auto [data, rows, elems, code, keep] :
+         {std::tuple{grads.dq, q_rows, shape.num_q_heads * shape.head_dim, l.q_rows, uint8_t{kRowVisible}},
+          std::tuple{grads.dk, kv_rows, shape.num_kv_heads * shape.head_dim, l.kv_rows, uint8_t{1}},
+          std::tuple{grads.dv, kv_rows, shape.num_kv_heads * shape.head_dim_v, l.kv_rows, uint8_t{1}}}) {
+      MAXATTN_RETURN_IF_ERROR(CudaStatus(LaunchZeroRowsExcept(data, rows, elems, code, keep, ctx.stream),
+                                         "maxattn zero-rows kernel launch"));
+    }
+  } else if (spec.masks.padding) {
     // Padded query/key rows take no part in the result: their gradients are zero.
     const int32_t b = static_cast<int32_t>(shape.batch);
     MAXATTN_RETURN_IF_ERROR(CudaStatus(

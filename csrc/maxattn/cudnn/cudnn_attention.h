@@ -11,6 +11,9 @@
 //     they remove hold the dtype's lowest finite value. Their operands are
 //     still passed; their presence tells the backend that a row may lose every
 //     key, which it detects from the softmax statistics (out = 0, lse = -inf).
+//     Except with options.max_segments > 0 (no bias, mask, dropout or sink):
+//     then the segment ids become cuDNN ragged sequences (ragged.h), O(B * T)
+//     memory, and rows that break the max_segments promise come out NaN.
 //   * the lse cotangent is folded into extra value columns (dlse is null).
 // Not supported here (the Python backend refuses them before any call):
 // float32, soft cap.
@@ -49,6 +52,7 @@ struct DeviceContext {
 // What support depends on besides the shape and options: the call as this
 // backend receives it (after the Python side folded masks into the bias and
 // completed the sequence lengths).
+// (Segment ids as ragged sequences are options.max_segments > 0.)
 struct CallFeatures {
   DType dtype = DType::kBFloat16;
   bool bias = false;            // a bias operand (the user's, or folded masks)
@@ -57,7 +61,7 @@ struct CallFeatures {
   bool sink = false;            // sink logits
 };
 
-CallFeatures FeaturesOf(const AttentionInputs& inputs);
+CallFeatures FeaturesOf(const AttentionInputs& inputs, const AttentionOptions& options);
 
 // The one support decision of the cudnn backend: Ok, or Unimplemented with the
 // exact reason (python/maxattn/_src/backends/cudnn.py reports it through

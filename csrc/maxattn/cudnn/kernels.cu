@@ -1,5 +1,7 @@
 #include "maxattn/cudnn/kernels.h"
 
+#include "maxattn/cudnn/ragged.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -60,14 +62,15 @@ __device__ float BlockReduce(float value, Op op, float identity) {
 // that the loads overlap instead of paying the memory latency row by row.
 constexpr int kRowsPerThread = 4;
 
-__device__ __forceinline__ void LoadRows(const float* p, int64_t i0, int64_t end, bool vectorized,
+// Row i of one (b, n) is p[i * stride] (stride 1 for [B, N, T], N for token-major [B, T, N]).
+__device__ __forceinline__ void LoadRows(const float* p, int64_t stride, int64_t i0, int64_t end, bool vectorized,
                                          float (&x)[kRowsPerThread]) {
-  if (vectorized && i0 + kRowsPerThread <= end) {
+  if (vectorized && stride == 1 && i0 + kRowsPerThread <= end) {
     const float4 v = *reinterpret_cast<const float4*>(p + i0);
     x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
     return;
   }
-  for (int r = 0; r < kRowsPerThread; ++r) x[r] = i0 + r < end ? p[i0 + r] : 0.0f;
+  for (int r = 0; r < kRowsPerThread; ++r) x[r] = i0 + r < end ? p[(i0 + r) * stride] : 0.0f;
 }
 
 // One block per (b, n).
@@ -76,28 +79,44 @@ __global__ void FinalizeForwardKernel(FinalizeArgs args, bool vectorized) {
   const int32_t bn = blockIdx.x;  // b * N + n
   const int32_t b = bn / g.heads;
   const int32_t n = bn % g.heads;
-  const int64_t base = static_cast<int64_t>(bn) * g.q_len;
+  const int64_t base = static_cast<int64_t>(bn) * g.q_len;  // of (b, n, 0) in [B, N, T]
+  // Where cuDNN's statistics of (b, n, 0) are, and their step over rows.
+  const int64_t in_base = args.token_major ? static_cast<int64_t>(b) * g.q_len * g.heads + n : base;
+  const int64_t in_stride = args.token_major ? g.heads : 1;
   const float sink = args.sink ? args.sink[n] : -INFINITY;
-  // Stats already in lse (no Sum_exp): read when a probe or the sink needs them.
-  const bool read_stats = args.lse && !args.sum_exp;
+  // The Stats (no Sum_exp): read when the lse, a probe or the sink needs them.
+  const float* stats_in = args.stats ? args.stats : (args.sum_exp ? nullptr : args.lse);
   float acc = -INFINITY;
   for (int64_t i0 = threadIdx.x * static_cast<int64_t>(kRowsPerThread); i0 < g.q_len;
        i0 += static_cast<int64_t>(blockDim.x) * kRowsPerThread) {
     float m[kRowsPerThread] = {}, sum_exp[kRowsPerThread] = {}, stats[kRowsPerThread] = {};
-    if (args.row_max) LoadRows(args.row_max + base, i0, g.q_len, vectorized, m);
-    if (args.sum_exp) LoadRows(args.sum_exp + base, i0, g.q_len, vectorized, sum_exp);
-    if (read_stats) LoadRows(args.lse + base, i0, g.q_len, vectorized, stats);
+    if (args.row_max) LoadRows(args.row_max + in_base, in_stride, i0, g.q_len, vectorized, m);
+    if (args.sum_exp) LoadRows(args.sum_exp + in_base, in_stride, i0, g.q_len, vectorized, sum_exp);
+    if (stats_in) LoadRows(stats_in + in_base, in_stride, i0, g.q_len, vectorized, stats);
     for (int r = 0; r < kRowsPerThread; ++r) {
       const int64_t i = i0 + r;
       if (i >= g.q_len) break;
       const int64_t idx = base + i;
-      bool visible = RowVisible(g, b, i);
+      const uint8_t code = g.row_code ? g.row_code[static_cast<int64_t>(b) * g.q_len + i] : kRowVisible;
+      if (code == kRowPoisoned) {
+        // The batch row breaks the ragged layout's promise (ragged.h): NaN everywhere.
+        if (args.lse) args.lse[idx] = NAN;
+        if (args.row_scale) args.row_scale[idx] = NAN;
+        if (args.max_logit) acc = NAN;
+        if (args.out) {
+          uint16_t* row = static_cast<uint16_t*>(args.out) +
+                          ((static_cast<int64_t>(b) * g.q_len + i) * g.heads + n) * args.head_dim_v;
+          for (int32_t h = 0; h < args.head_dim_v; ++h) row[h] = 0x7FFF;  // a NaN in bf16 and fp16
+        }
+        continue;
+      }
+      bool visible = g.row_code ? code == kRowVisible : RowVisible(g, b, i);
       if (visible && args.masked_below < 0.0f) {
         // NaN compares false: a NaN row stays visible and propagates.
         visible = !((args.row_max ? m[r] : stats[r]) < args.masked_below);
       }
       if (visible) {
-        if ((args.sum_exp && args.lse) || args.row_scale) {
+        if ((args.lse && (args.sum_exp || args.stats)) || args.row_scale) {
           float lse = args.sum_exp ? m[r] + logf(sum_exp[r]) : stats[r];
           if (args.row_scale) {
             const float with_sink = LogAddExp(lse, sink);
@@ -222,11 +241,17 @@ __global__ void DropoutSeedKernel(const uint32_t* words, int64_t* seed_and_offse
   seed_and_offset[1] = 0;
 }
 
-__global__ void BackwardLseKernel(const float* lse, float* lse_out, int64_t count) {
+__global__ void BackwardLseKernel(const float* lse, float* lse_out, int64_t count, int32_t heads, int32_t q_len,
+                                  bool token_major) {
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < count;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float x = lse[idx];
-    lse_out[idx] = x == -INFINITY ? 0.0f : x;
+    int64_t to = idx;
+    if (token_major) {  // idx = (b * N + n) * T + t  ->  (b * T + t) * N + n
+      const int64_t t = idx % q_len, bn = idx / q_len;
+      to = (bn / heads * q_len + t) * heads + bn % heads;
+    }
+    lse_out[to] = x == -INFINITY ? 0.0f : x;
   }
 }
 
@@ -242,7 +267,7 @@ __global__ void ZeroPaddedRowsKernel(uint16_t* data, int32_t rows, int64_t row_e
 }  // namespace
 
 bool RowGeometry::MayHaveEmptyRows() const {
-  if (q_seq_lengths || kv_seq_lengths) return true;
+  if (row_code || q_seq_lengths || kv_seq_lengths) return true;
   // Without padding a row i is empty only when its band [i+d-wl, i+d+wr] (d = 0
   // for full lengths with top-left, S-T with bottom-right) misses [0, S).
   const int64_t d = bottom_right ? static_cast<int64_t>(kv_len) - q_len : 0;
@@ -260,8 +285,8 @@ cudaError_t LaunchFinalizeForward(const FinalizeArgs& args, cudaStream_t stream)
   if (blocks == 0) return cudaSuccess;
   const int64_t q_len = args.geometry.q_len;
   auto aligned = [](const float* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const bool vectorized =
-      q_len % kRowsPerThread == 0 && aligned(args.row_max) && aligned(args.sum_exp) && aligned(args.lse);
+  const bool vectorized = q_len % kRowsPerThread == 0 && aligned(args.row_max) && aligned(args.sum_exp) &&
+                          aligned(args.stats) && aligned(args.lse);
   // Enough threads for one step over the rows, in whole warps, at most 1024.
   const int64_t wanted = (q_len + kRowsPerThread - 1) / kRowsPerThread;
   const int threads = static_cast<int>(wanted >= 1024 ? 1024 : (wanted + 31) / 32 * 32);
@@ -308,11 +333,12 @@ cudaError_t LaunchDropoutSeed(const uint32_t* words, int64_t* seed_and_offset, c
   return cudaGetLastError();
 }
 
-cudaError_t LaunchBackwardLse(const float* lse, float* lse_out, int64_t count, cudaStream_t stream) {
+cudaError_t LaunchBackwardLse(const float* lse, float* lse_out, int32_t batch, int32_t heads, int32_t q_len,
+                              bool token_major, cudaStream_t stream) {
+  const int64_t count = static_cast<int64_t>(batch) * heads * q_len;
   if (count == 0) return cudaSuccess;
-  const int64_t blocks = (count + kThreads - 1) / kThreads;
-  BackwardLseKernel<<<static_cast<unsigned>(blocks < 65535 ? blocks : 65535), kThreads, 0, stream>>>(lse, lse_out,
-                                                                                                   count);
+  BackwardLseKernel<<<GridFor(count, kThreads), kThreads, 0, stream>>>(lse, lse_out, count, heads, q_len,
+                                                                       token_major);
   return cudaGetLastError();
 }
 

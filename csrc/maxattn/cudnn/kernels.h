@@ -12,8 +12,9 @@
 namespace maxattn::cudnn {
 
 // Which (b, i) query rows see at least one key. Mirrors visible() of
-// attention.h for padding, causal mask and window (segment ids and dense
-// masks are not handled by this backend).
+// attention.h for padding, causal mask and window; a ragged call (ragged.h)
+// gives the answer per row instead, in row_code. (A dense mask or segment ids
+// folded into the bias are found from the statistics: FinalizeArgs.)
 struct RowGeometry {
   int32_t batch = 0, heads = 0, q_len = 0, kv_len = 0;  // B, N, T, S
   const int32_t* q_seq_lengths = nullptr;               // [B] or null
@@ -22,6 +23,7 @@ struct RowGeometry {
   bool bottom_right = false;
   int64_t window_left = -1;
   int64_t window_right = -1;
+  const uint8_t* row_code = nullptr;  // [B, T] RowCode of a ragged call, or null
 
   // True when some row may see no key at all (so outputs need fixing up).
   bool MayHaveEmptyRows() const;
@@ -29,9 +31,14 @@ struct RowGeometry {
 
 struct FinalizeArgs {
   RowGeometry geometry;
-  const float* row_max = nullptr;  // [B, N, T] cuDNN Max, or null
-  const float* sum_exp = nullptr;  // [B, N, T] cuDNN Sum_exp, or null (lse, if any, already holds Stats)
-  float* lse = nullptr;            // [B, N, T]: written from Max/Sum_exp, or fixed for empty rows; or null
+  // cuDNN's statistics: [B, N, T], or [B, T, N] when token_major (a ragged call).
+  bool token_major = false;
+  const float* row_max = nullptr;  // cuDNN Max, or null
+  const float* sum_exp = nullptr;  // cuDNN Sum_exp, or null
+  const float* stats = nullptr;    // cuDNN Stats when not already in lse, or null
+  // [B, N, T]: written from Max/Sum_exp or stats, or (holding Stats) fixed for
+  // empty rows; or null
+  float* lse = nullptr;
   float* max_logit = nullptr;      // [B, N]: max over visible rows of row_max; or null
   void* out = nullptr;             // [B, T, N, Hv] 2-byte elements: empty rows zeroed; or null
   int32_t head_dim_v = 0;
@@ -66,9 +73,11 @@ cudaError_t LaunchSinkGradient(const void* out, const void* dout, bool is_fp16, 
 // maxattn's dropout seed (key words, batch and head offset of the block).
 cudaError_t LaunchDropoutSeed(const uint32_t* words, int64_t* seed_and_offset, cudaStream_t stream);
 
-// lse_out = lse with -inf (rows that see no key) replaced by 0, so that
-// cuDNN's backward never computes exp(-inf - -inf). `count` floats.
-cudaError_t LaunchBackwardLse(const float* lse, float* lse_out, int64_t count, cudaStream_t stream);
+// lse_out = lse [B, N, T] with -inf (rows that see no key) replaced by 0, so
+// that cuDNN's backward never computes exp(-inf - -inf); written [B, T, N]
+// when token_major (a ragged call's Stats layout).
+cudaError_t LaunchBackwardLse(const float* lse, float* lse_out, int32_t batch, int32_t heads, int32_t q_len,
+                              bool token_major, cudaStream_t stream);
 
 // Zeroes rows l >= lengths[b] of a [batch, rows, row_elems] buffer of 2-byte elements.
 cudaError_t LaunchZeroPaddedRows(void* data, int32_t batch, int32_t rows, int64_t row_elems,

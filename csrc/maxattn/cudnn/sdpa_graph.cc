@@ -48,15 +48,57 @@ void SetBthd(const std::shared_ptr<fe::graph::Tensor_attributes>& t, const char*
       {l * heads * dim, dim, heads * dim, 1});
 }
 
-// [B, N, T, 1] float32 row statistics (lse layout [B, N, T]).
-std::shared_ptr<fe::graph::Tensor_attributes> RowStats(fe::graph::Graph& g, const char* name, int64_t uid,
-                                                       const AttentionShape& s) {
+// Sequences of the graph: the batch, or B * M for a ragged call.
+int64_t GraphBatch(const GraphSpec& spec) {
+  return spec.ragged_segments > 0 ? spec.shape.batch * spec.ragged_segments : spec.shape.batch;
+}
+
+// The [B', N, T, 1] float32 layout of row statistics: the lse layout [B, N, T],
+// or token-major [B, T, N] for a ragged call (ragged.h: each sequence's rows
+// start at its first token, so its statistics are contiguous over tokens, as
+// cuDNN sizes its ragged workspaces).
+void SetStatsLayout(const GraphSpec& spec, fe::graph::Tensor_attributes& t) {
+  const AttentionShape& s = spec.shape;
+  const int64_t n = s.num_q_heads, l = s.q_len;
+  t.set_dim({GraphBatch(spec), n, l, 1}).set_data_type(fe::DataType_t::FLOAT);
+  if (spec.ragged_segments > 0) t.set_stride({l * n, 1, n, 1});
+  else t.set_stride({n * l, l, 1, 1});
+}
+
+// The ragged offsets of one tensor family: [B' + 1] int32 or int64 element offsets.
+std::shared_ptr<fe::graph::Tensor_attributes> RaggedOffset(fe::graph::Graph& g, const GraphSpec& spec,
+                                                           const char* name, int64_t uid) {
   return g.tensor(fe::graph::Tensor_attributes()
                       .set_name(name)
                       .set_uid(uid)
-                      .set_dim({s.batch, s.num_q_heads, s.q_len, 1})
-                      .set_stride({s.num_q_heads * s.q_len, s.q_len, 1, 1})
-                      .set_data_type(fe::DataType_t::FLOAT));
+                      .set_dim({GraphBatch(spec) + 1, 1, 1, 1})
+                      .set_stride({1, 1, 1, 1})
+                      .set_data_type(spec.wide_offsets ? fe::DataType_t::INT64 : fe::DataType_t::INT32));
+}
+
+// The ragged offset tensors of a call (all null for a dense call).
+struct RaggedOffsets {
+  std::shared_ptr<fe::graph::Tensor_attributes> q, k, v, o, stats;
+};
+
+RaggedOffsets DeclareRaggedOffsets(fe::graph::Graph& g, const GraphSpec& spec) {
+  if (spec.ragged_segments <= 0) return {};
+  return {RaggedOffset(g, spec, "RaggedQ", kUidRaggedQ), RaggedOffset(g, spec, "RaggedK", kUidRaggedK),
+          RaggedOffset(g, spec, "RaggedV", kUidRaggedV), RaggedOffset(g, spec, "RaggedO", kUidRaggedO),
+          RaggedOffset(g, spec, "RaggedStats", kUidRaggedStats)};
+}
+
+void SetRagged(const std::shared_ptr<fe::graph::Tensor_attributes>& t,
+               const std::shared_ptr<fe::graph::Tensor_attributes>& offset) {
+  if (offset) t->set_ragged_offset(offset);
+}
+
+std::shared_ptr<fe::graph::Tensor_attributes> RowStats(fe::graph::Graph& g, const char* name, int64_t uid,
+                                                       const GraphSpec& spec, const RaggedOffsets& ragged) {
+  auto t = g.tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid));
+  SetStatsLayout(spec, *t);
+  SetRagged(t, ragged.stats);
+  return t;
 }
 
 std::shared_ptr<fe::graph::Tensor_attributes> BiasLike(fe::graph::Graph& g, const char* name, int64_t uid,
@@ -112,8 +154,13 @@ template <typename Attributes>
 void ApplyCommon(fe::graph::Graph& g, const GraphSpec& spec, Attributes& a) {
   if (spec.masks.padding) {
     a.set_padding_mask(true)
-        .set_seq_len_q(SeqLen(g, "SeqLenQ", kUidSeqLenQ, spec.shape.batch))
-        .set_seq_len_kv(SeqLen(g, "SeqLenKV", kUidSeqLenKv, spec.shape.batch));
+        .set_seq_len_q(SeqLen(g, "SeqLenQ", kUidSeqLenQ, GraphBatch(spec)))
+        .set_seq_len_kv(SeqLen(g, "SeqLenKV", kUidSeqLenKv, GraphBatch(spec)));
+  }
+  if (spec.ragged_segments > 0) {
+    // Tokens in all: bounds cuDNN's ragged workspaces (softmax sums, dQ accumulator).
+    a.set_max_total_seq_len_q(spec.shape.batch * spec.shape.q_len)
+        .set_max_total_seq_len_kv(spec.shape.batch * spec.shape.kv_len);
   }
   ApplyMasks(spec.masks, a);
   if (spec.dropout > 0.0f) {
@@ -131,43 +178,56 @@ std::shared_ptr<fe::graph::Graph> NewGraph(DType dtype) {
 
 std::shared_ptr<fe::graph::Graph> DefineForward(const GraphSpec& spec) {
   const AttentionShape& s = spec.shape;
+  const int64_t b = GraphBatch(spec);
   auto g = NewGraph(spec.dtype);
-  auto q = BthdTensor(*g, "Q", kUidQ, s.batch, s.q_len, s.num_q_heads, s.head_dim);
-  auto k = BthdTensor(*g, "K", kUidK, s.batch, s.kv_len, s.num_kv_heads, s.head_dim);
-  auto v = BthdTensor(*g, "V", kUidV, s.batch, s.kv_len, s.num_kv_heads, s.head_dim_v);
+  const RaggedOffsets ragged = DeclareRaggedOffsets(*g, spec);
+  auto q = BthdTensor(*g, "Q", kUidQ, b, s.q_len, s.num_q_heads, s.head_dim);
+  auto k = BthdTensor(*g, "K", kUidK, b, s.kv_len, s.num_kv_heads, s.head_dim);
+  auto v = BthdTensor(*g, "V", kUidV, b, s.kv_len, s.num_kv_heads, s.head_dim_v);
+  SetRagged(q, ragged.q);
+  SetRagged(k, ragged.k);
+  SetRagged(v, ragged.v);
   const bool stats = spec.stats == StatsMode::kStats || spec.stats == StatsMode::kStatsMax;
   auto attrs = fe::graph::SDPA_attributes().set_name("maxattn_sdpa_fwd").set_attn_scale(spec.scale).set_generate_stats(stats);
   if (spec.has_bias) attrs.set_bias(BiasLike(*g, "Bias", kUidBias, spec.bias_dims));
   if (spec.sink) attrs.set_sink_token(PerHead(*g, "Sink", kUidSink, s.num_q_heads));
   ApplyCommon(*g, spec, attrs);
   if (spec.stats == StatsMode::kMaxSumExp || spec.stats == StatsMode::kStatsMax) {
-    auto max = RowStats(*g, "Max", kUidMax, s);
+    auto max = RowStats(*g, "Max", kUidMax, spec, ragged);
     max->set_output(true);
     attrs.set_logit_max(max);
   }
   if (spec.stats == StatsMode::kMaxSumExp) {
-    auto sum_exp = RowStats(*g, "Sum_exp", kUidSumExp, s);
+    auto sum_exp = RowStats(*g, "Sum_exp", kUidSumExp, spec, ragged);
     sum_exp->set_output(true);
     attrs.set_score_sum_exp(sum_exp);
   }
   auto [o, lse] = g->sdpa(q, k, v, std::move(attrs));
-  SetBthd(o, "O", kUidO, s.batch, s.q_len, s.num_q_heads, s.head_dim_v);
+  SetBthd(o, "O", kUidO, b, s.q_len, s.num_q_heads, s.head_dim_v);
+  SetRagged(o, ragged.o);
   if (stats && lse) {
-    lse->set_output(true).set_name("Stats").set_uid(kUidStats).set_data_type(fe::DataType_t::FLOAT)
-        .set_dim({s.batch, s.num_q_heads, s.q_len, 1}).set_stride({s.num_q_heads * s.q_len, s.q_len, 1, 1});
+    lse->set_output(true).set_name("Stats").set_uid(kUidStats);
+    SetStatsLayout(spec, *lse);
+    SetRagged(lse, ragged.stats);
   }
   return g;
 }
 
 std::shared_ptr<fe::graph::Graph> DefineBackward(const GraphSpec& spec) {
   const AttentionShape& s = spec.shape;
+  const int64_t b = GraphBatch(spec);
   auto g = NewGraph(spec.dtype);
-  auto q = BthdTensor(*g, "Q", kUidQ, s.batch, s.q_len, s.num_q_heads, s.head_dim);
-  auto k = BthdTensor(*g, "K", kUidK, s.batch, s.kv_len, s.num_kv_heads, s.head_dim);
-  auto v = BthdTensor(*g, "V", kUidV, s.batch, s.kv_len, s.num_kv_heads, s.head_dim_v);
-  auto o = BthdTensor(*g, "O", kUidO, s.batch, s.q_len, s.num_q_heads, s.head_dim_v);
-  auto dout = BthdTensor(*g, "dO", kUidDO, s.batch, s.q_len, s.num_q_heads, s.head_dim_v);
-  auto stats = RowStats(*g, "Stats", kUidStats, s);
+  const RaggedOffsets ragged = DeclareRaggedOffsets(*g, spec);
+  auto q = BthdTensor(*g, "Q", kUidQ, b, s.q_len, s.num_q_heads, s.head_dim);
+  auto k = BthdTensor(*g, "K", kUidK, b, s.kv_len, s.num_kv_heads, s.head_dim);
+  auto v = BthdTensor(*g, "V", kUidV, b, s.kv_len, s.num_kv_heads, s.head_dim_v);
+  auto o = BthdTensor(*g, "O", kUidO, b, s.q_len, s.num_q_heads, s.head_dim_v);
+  auto dout = BthdTensor(*g, "dO", kUidDO, b, s.q_len, s.num_q_heads, s.head_dim_v);
+  for (auto& [t, offset] : {std::pair{q, ragged.q}, std::pair{k, ragged.k}, std::pair{v, ragged.v},
+                            std::pair{o, ragged.o}, std::pair{dout, ragged.o}}) {
+    SetRagged(t, offset);
+  }
+  auto stats = RowStats(*g, "Stats", kUidStats, spec, ragged);
   auto attrs = fe::graph::SDPA_backward_attributes().set_name("maxattn_sdpa_bwd").set_attn_scale(spec.scale);
   if (spec.has_bias) {
     attrs.set_bias(BiasLike(*g, "Bias", kUidBias, spec.bias_dims));
@@ -179,9 +239,12 @@ std::shared_ptr<fe::graph::Graph> DefineBackward(const GraphSpec& spec) {
   }
   ApplyCommon(*g, spec, attrs);
   auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, std::move(attrs));
-  SetBthd(dq, "dQ", kUidDQ, s.batch, s.q_len, s.num_q_heads, s.head_dim);
-  SetBthd(dk, "dK", kUidDK, s.batch, s.kv_len, s.num_kv_heads, s.head_dim);
-  SetBthd(dv, "dV", kUidDV, s.batch, s.kv_len, s.num_kv_heads, s.head_dim_v);
+  SetBthd(dq, "dQ", kUidDQ, b, s.q_len, s.num_q_heads, s.head_dim);
+  SetBthd(dk, "dK", kUidDK, b, s.kv_len, s.num_kv_heads, s.head_dim);
+  SetBthd(dv, "dV", kUidDV, b, s.kv_len, s.num_kv_heads, s.head_dim_v);
+  SetRagged(dq, ragged.q);
+  SetRagged(dk, ragged.k);
+  SetRagged(dv, ragged.v);
   return g;
 }
 
@@ -223,7 +286,7 @@ std::vector<int64_t> Key(const GraphSpec& spec, int device) {
           m.padding, m.bottom_right, m.left_bound.has_value(), m.left_bound.value_or(0),
           m.right_bound.has_value(), m.right_bound.value_or(0), spec.has_bias, spec.bias_dims.b,
           spec.bias_dims.n, spec.bias_dims.t, spec.bias_dims.s, static_cast<int64_t>(spec.stats),
-          spec.want_dbias, dropout_bits, spec.sink};
+          spec.want_dbias, dropout_bits, spec.sink, spec.ragged_segments, spec.wide_offsets};
 }
 
 struct HandleDeleter {
@@ -252,7 +315,10 @@ class HandleLeaseImpl final : public HandleLease {
 
 Status PlanMasks(const AttentionShape& shape, const AttentionOptions& options, const CallFeatures& features,
                  MaskPlan* plan) {
-  const bool padding = features.padding;
+  // A ragged call (ragged.h) always passes sequence lengths; its sequences are
+  // the rows' segments, each on its own top-left diagonal.
+  const bool ragged = options.max_segments > 0;
+  const bool padding = features.padding || ragged;
   MaskPlan m;
   m.padding = padding;
   if (options.causal) m.right_bound = 0;
@@ -261,7 +327,7 @@ Status PlanMasks(const AttentionShape& shape, const AttentionOptions& options, c
   }
   if (options.window_left >= 0) m.left_bound = options.window_left + 1;
   const bool banded = m.left_bound || m.right_bound;
-  if (banded && options.alignment == CausalAlignment::kBottomRight) {
+  if (banded && options.alignment == CausalAlignment::kBottomRight && !ragged) {
     if (padding) {
       if (features.bias || options.dropout_rate > 0.0f) {
         return Status::Unimplemented(

@@ -38,6 +38,11 @@ enum Uid : int64_t {
   kUidSink,
   kUidSeed,
   kUidOffset,
+  kUidRaggedQ,  // ragged offsets (ragged.h): of Q and dQ, K and dK, V and dV, O and dO, Stats/Max/Sum_exp
+  kUidRaggedK,
+  kUidRaggedV,
+  kUidRaggedO,
+  kUidRaggedStats,
 };
 
 // Which softmax statistics the forward graph emits.
@@ -50,7 +55,7 @@ enum class StatsMode : int {
 
 // Masking as cuDNN expresses it, derived from the options (see PlanMasks).
 struct MaskPlan {
-  bool padding = false;       // seq_len_q / seq_len_kv given
+  bool padding = false;       // seq_len_q / seq_len_kv given (always for a ragged call)
   bool bottom_right = false;  // cuDNN BOTTOM_RIGHT alignment (only with padding)
   std::optional<int64_t> left_bound;   // keeps j > i - left_bound (+ alignment shift)
   std::optional<int64_t> right_bound;  // keeps j <= i + right_bound (+ alignment shift)
@@ -73,6 +78,11 @@ struct GraphSpec {
   bool want_dbias = false;             // backward only
   float dropout = 0.0f;                // probability; > 0 adds the Seed and Offset inputs
   bool sink = false;                   // forward only: cuDNN's sink token (f32 [1, N, 1, 1])
+  // > 0: a ragged call (ragged.h): every batch row is this many sequences of
+  // the graph (batch B * ragged_segments), each with its own length and
+  // ragged offsets; shape.q_len / kv_len bound the sequences' lengths.
+  int64_t ragged_segments = 0;
+  bool wide_offsets = false;  // int64 ragged offsets (else int32)
 };
 
 struct BuiltGraph {

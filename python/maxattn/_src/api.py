@@ -49,6 +49,7 @@ def dot_product_attention(
     key_value_seq_lengths: Optional[jax.Array] = None,
     q_segment_ids: Optional[jax.Array] = None,
     kv_segment_ids: Optional[jax.Array] = None,
+    max_segments_per_row: Optional[int] = None,
     local_window_size: Union[int, tuple[int, int], None] = None,
     logits_soft_cap: Optional[float] = None,
     dropout_rate: float = 0.0,
@@ -83,8 +84,9 @@ def dot_product_attention(
         (bf16/fp16), as cuDNN does; pass it in that dtype to get exactly the
         logits (and max_logit) it computes.
       mask: boolean, broadcastable to [B, N, T, S]; True means attend. The
-        "cudnn" backend folds it (and segment ids) into a [B', N', T, S]
-        bias, so it costs O(T * S) memory and bandwidth there.
+        "cudnn" backend folds it (and segment ids, unless
+        ``max_segments_per_row`` is given) into a [B', N', T, S] bias, so it
+        costs O(T * S) memory and bandwidth there.
       scale: logit scale; default 1/sqrt(H). A Python number or a concrete
         JAX/NumPy scalar; the kernels compile it in, so a traced scale (a jit
         argument) raises TypeError -- make it static, or scale ``query``.
@@ -100,6 +102,20 @@ def dot_product_attention(
       q_segment_ids: int [B, T]; packed sequences, a query attends only keys of
         the same segment; id 0 marks padding. Requires ``kv_segment_ids`` [B, S].
       kv_segment_ids: int [B, S].
+      max_segments_per_row: a static int M in [1, 1024], with segment ids: a
+        promise that every row is at most M contiguous segments (a row like
+        1,1,2,2,1 is not), that queries and keys list the same segments in the
+        same order, and -- with a causal mask or window -- that each query
+        segment starts where its key segment does (shifted by S - T with
+        bottom-right alignment, using the valid lengths). "cudnn" then runs
+        the segments as ragged sequences (cuDNN's padded/ragged layout: O(B *
+        T) extra memory, cross-segment work skipped) instead of folding the
+        ids into a dense [B, 1, T, S] bias (O(T * S) memory and time, and a
+        one-time warning saying so). The promise is checked on the device,
+        per row: a row that breaks it comes out NaN there (out, lse, and so
+        max_logit; zero gradients) -- never silently wrong. Other backends,
+        and cudnn calls with a bias, mask, dropout or sinks (which keep the
+        dense path), ignore the bound and compute the exact segment-id rule.
       local_window_size: int w (= (w, w)) or (left, right): query i sees keys
         in [i - left, i + right] (shifted by the alignment's diagonal). Any
         non-negative int; bounds of T + S or more are unbounded.
@@ -202,7 +218,8 @@ def dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         causal_alignment=causal_alignment, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, local_window_size=local_window_size,
+        kv_segment_ids=kv_segment_ids, max_segments_per_row=max_segments_per_row,
+        local_window_size=local_window_size,
         logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         softmax_type=softmax_type, sink_logits=sink_logits, return_max_logit=return_max_logit,
         return_lse=True if return_residual else return_lse, context_parallel=context_parallel,

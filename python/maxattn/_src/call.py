@@ -29,6 +29,11 @@ import jax
 import numpy as np
 
 
+# The largest max_segments (kMaxSegmentsPerRow of csrc/maxattn/attention.h, which
+# validates it again; tests/python/test_ragged_layout.py checks both agree).
+MAX_SEGMENTS_PER_ROW = 1024
+
+
 class Alignment(enum.Enum):
     """Where the causal diagonal (and the window's centre) sits when T != S."""
 
@@ -72,6 +77,10 @@ class Options:
     softmax: SoftmaxType = SoftmaxType.VANILLA
     lse: bool = False
     max_logit: bool = False
+    # > 0: the caller's promise that each row of the segment ids is at most this
+    # many contiguous segments, the same ones in the same order for queries and
+    # keys (segments.py); a backend may then run them as ragged sequences.
+    max_segments: int = 0
 
     def replace(self, **changes: Any) -> "Options":
         return dataclasses.replace(self, **changes)
@@ -91,6 +100,7 @@ class Options:
             window_right=np.int64(self.mask.window_right),
             softcap=np.float32(self.softcap),
             dropout_rate=np.float32(self.dropout_rate),
+            max_segments=np.int64(self.max_segments),
         )
 
 

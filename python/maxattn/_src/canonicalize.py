@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxattn._src import backends
-from maxattn._src.call import Alignment, Call, Mask, Operands, Options, SoftmaxType
+from maxattn._src.call import MAX_SEGMENTS_PER_ROW, Alignment, Call, Mask, Operands, Options, SoftmaxType
 from maxattn._src.cp import spec as cp_spec
 
 IMPLEMENTATIONS = backends.names()
@@ -147,11 +147,26 @@ def _softmax_type(softmax_type: Any, sink_logits: Any, N: int) -> Optional[jax.A
     return sink.astype(jnp.promote_types(sink.dtype, jnp.float32))
 
 
+def _max_segments(value: Any, has_segment_ids: bool) -> int:
+    """The static `max_segments_per_row` bound: 0 when not given."""
+    if value is None:
+        return 0
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`max_segments_per_row` must be a Python int (a static bound), got "
+                        f"{type(value).__name__}")
+    if not 1 <= int(value) <= MAX_SEGMENTS_PER_ROW:
+        raise ValueError(f"`max_segments_per_row` must be in [1, {MAX_SEGMENTS_PER_ROW}], got {value}")
+    if not has_segment_ids:
+        raise ValueError("`max_segments_per_row` needs `q_segment_ids` and `kv_segment_ids`")
+    return int(value)
+
+
 def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
                  scale: Optional[float] = None, is_causal: bool = False,
                  causal_alignment: str = "top_left", query_seq_lengths: Any = None,
                  key_value_seq_lengths: Any = None, q_segment_ids: Any = None,
-                 kv_segment_ids: Any = None, local_window_size: Any = None,
+                 kv_segment_ids: Any = None, max_segments_per_row: Any = None,
+                 local_window_size: Any = None,
                  logits_soft_cap: Optional[float] = None, dropout_rate: Any = 0.0,
                  dropout_rng: Any = None, softmax_type: Any = "vanilla",
                  sink_logits: Any = None, return_max_logit: Any = False, return_lse: Any = False,
@@ -221,6 +236,7 @@ def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any =
     if q_segment_ids is not None:
         qseg = _int_array(q_segment_ids, "q_segment_ids", (B, T), "[B, T]")
         kvseg = _int_array(kv_segment_ids, "kv_segment_ids", (B, S), "[B, S]")
+    max_segments = _max_segments(max_segments_per_row, qseg is not None)
 
     if scale is None:
         scale_value = 1.0 / math.sqrt(H) if H > 0 else 1.0
@@ -248,7 +264,8 @@ def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any =
         scale=scale_value,
         mask=Mask(causal=causal, alignment=Alignment(causal_alignment), window_left=left, window_right=right),
         softcap=cap, dropout_rate=rate, softmax=SoftmaxType(softmax_type),
-        lse=_check_bool(return_lse, "return_lse"), max_logit=_check_bool(return_max_logit, "return_max_logit"))
+        lse=_check_bool(return_lse, "return_lse"), max_logit=_check_bool(return_max_logit, "return_max_logit"),
+        max_segments=max_segments)
     call = Call(options, Operands(q, k, v, b, m, qlen, kvlen, qseg, kvseg, sink, seed))
     cp = cp_spec.make_spec(context_parallel, context_parallel_axis, load_balanced)
     if cp is not None:

@@ -16,6 +16,11 @@ Arranged here before the FFI call (`_as_cudnn_sees_it`):
     they remove get the dtype's lowest finite value; the C++ side finds rows
     left with no key from the softmax statistics). This costs a [b', n', T, S]
     bias in memory and bandwidth, unlike the CPU backend;
+  * except segment ids with `max_segments_per_row` (Options.max_segments) and
+    no bias, mask, dropout or sink: the C++ side turns them into cuDNN ragged
+    sequences on the device (csrc/maxattn/cudnn/ragged.h), O(B * T). With any
+    of those four the bound is dropped here (`_effective`) and the dense bias
+    is used, with a one-time warning;
   * q/kv sequence lengths given together (a missing one is the full length);
   * a non-zero lse cotangent: cuDNN's backward has no input for it, so it is
     folded into an extra value column: with o' = [o, -dlse], do' = [do, 1] and
@@ -34,6 +39,7 @@ import jax.numpy as jnp
 from maxattn._src import reference
 from maxattn._src.backends import ffi
 from maxattn._src.call import Call, Fwd, Grads, Saved
+from maxattn._src.warn import warn_once
 
 FWD_TARGET = "maxattn_attention_fwd_cuda"
 BWD_TARGET = "maxattn_attention_bwd_cuda"
@@ -76,7 +82,7 @@ def _folded_bias(call: Call) -> Optional[jax.Array]:
     q = ops.query
     bias = None if ops.bias is None else ops.bias.astype(q.dtype)
     keep = ops.mask
-    if ops.q_segment_ids is not None:
+    if ops.q_segment_ids is not None and call.options.max_segments == 0:
         seg = reference.same_segment(ops.q_segment_ids, ops.kv_segment_ids)
         keep = seg if keep is None else keep & seg
     if keep is not None:
@@ -85,6 +91,35 @@ def _folded_bias(call: Call) -> Optional[jax.Array]:
     if bias is None:
         return None
     return jnp.broadcast_to(bias, bias.shape[:2] + (call.q_len, call.kv_len))
+
+
+def _ragged_blocker(call: Call) -> Optional[str]:
+    """Why a call with max_segments cannot take the ragged path, or None."""
+    ops = call.operands
+    for present, what in ((ops.bias is not None, "a bias"), (ops.mask is not None, "a mask"),
+                          (call.options.dropout_rate > 0, "dropout"), (ops.sink_logits is not None, "sinks")):
+        if present:
+            return what
+    return None
+
+
+def _effective(call: Call, warn: bool = False) -> Call:
+    """The call as this backend runs it: max_segments dropped where the ragged
+    path cannot take it. With `warn`, says once what the dense path costs."""
+    seg = call.operands.q_segment_ids is not None
+    if seg and call.options.max_segments > 0:
+        blocker = _ragged_blocker(call)
+        if blocker is None:
+            return call
+        if warn:
+            warn_once(f"maxattn cudnn: max_segments_per_row is ignored with {blocker}; segment ids are folded "
+                      f"into a dense [B, 1, T, S] bias (O(T * S) memory and time)")
+        return call.replace(options=call.options.replace(max_segments=0))
+    if seg and warn:
+        warn_once("maxattn cudnn: segment ids without max_segments_per_row are folded into a dense [B, 1, T, S] "
+                  "bias (O(T * S) memory and time); pass max_segments_per_row=M (a bound on the segments per "
+                  "row) to run them as cuDNN ragged sequences")
+    return call
 
 
 def _as_cudnn_sees_it(call: Call) -> Call:
@@ -106,8 +141,10 @@ class CudnnBackend:
         mod, reason = module()
         if reason is not None:
             return reason
+        call = _effective(call)
         ops = call.operands
-        masked = ops.mask is not None or ops.q_segment_ids is not None  # folded into the bias
+        # Folded into the bias: a mask, and segment ids off the ragged path.
+        masked = ops.mask is not None or (ops.q_segment_ids is not None and call.options.max_segments == 0)
         attrs = {k: v.item() if hasattr(v, "item") else v for k, v in call.options.ffi_attributes().items()}
         return mod.unsupported_reason(
             (call.batch, call.q_len, call.kv_len, call.num_heads, call.num_kv_heads, ops.query.shape[3],
@@ -118,10 +155,12 @@ class CudnnBackend:
 
     def forward(self, call: Call) -> Fwd:
         module()
+        call = _effective(call, warn=True)
         return ffi.forward(FWD_TARGET, call, _as_cudnn_sees_it(call).operands)
 
     def backward(self, call: Call, saved: Saved) -> Grads:
         module()
+        call = _effective(call)
         ops = call.operands
         q, v = ops.query, ops.value
         dtype, Hv = q.dtype, v.shape[3]

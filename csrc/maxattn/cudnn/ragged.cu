@@ -1,0 +1,225 @@
+#include "maxattn/cudnn/ragged.h"
+
+#include <algorithm>
+
+#include <cub/block/block_scan.cuh>
+
+namespace maxattn::cudnn {
+namespace {
+
+constexpr int kThreads = 256;
+
+int64_t Round(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// The runs of one row, in order of appearance (shared memory, max_segments each).
+struct Runs {
+  int32_t* start;
+  int32_t* end;
+  int32_t* id;
+};
+
+__device__ __forceinline__ int32_t Clamp(int32_t x, int32_t lo, int32_t hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+// The id of token t (0 = padding, also for t < 0 and t >= valid).
+__device__ __forceinline__ int32_t IdAt(const int32_t* ids, int64_t t, int32_t valid) {
+  return t >= 0 && t < valid ? ids[t] : 0;
+}
+
+// Records the first `max_runs` runs of equal non-zero ids of `ids[0, len)`
+// (tokens >= valid are padding) in `runs`; returns the number of runs (every
+// thread). Each thread walks one contiguous chunk: a scan over the per-chunk
+// run counts gives each chunk the index of its first run.
+__device__ int32_t FindRuns(const int32_t* ids, int32_t len, int32_t valid, int32_t max_runs, Runs runs) {
+  using Scan = cub::BlockScan<int32_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  const int32_t chunk = (len + kThreads - 1) / kThreads;
+  const int32_t t0 = min(len, static_cast<int32_t>(threadIdx.x) * chunk);
+  const int32_t t1 = min(len, t0 + chunk);
+  int32_t starts = 0;
+  int32_t prev = IdAt(ids, t0 - 1, valid);
+  for (int32_t t = t0; t < t1; ++t) {
+    const int32_t cur = IdAt(ids, t, valid);
+    starts += cur != 0 && cur != prev;
+    prev = cur;
+  }
+  int32_t first = 0, total = 0;
+  Scan(scan_storage).ExclusiveSum(starts, first, total);
+  int32_t r = first - 1;  // the run that token t0 - 1 belongs to (if any)
+  prev = IdAt(ids, t0 - 1, valid);
+  for (int32_t t = t0; t < t1; ++t) {
+    const int32_t cur = IdAt(ids, t, valid);
+    if (cur != prev) {
+      if (prev != 0 && r >= 0 && r < max_runs) runs.end[r] = t;
+      if (cur != 0) {
+        ++r;
+        if (r < max_runs) {
+          runs.start[r] = t;
+          runs.id[r] = cur;
+        }
+      }
+    }
+    prev = cur;
+  }
+  if (t0 < t1 && t1 == len && prev != 0 && r >= 0 && r < max_runs) runs.end[r] = len;
+  __syncthreads();
+  return total;
+}
+
+template <typename Offset>
+__device__ __forceinline__ void Put(void* array, int64_t i, int64_t value) {
+  static_cast<Offset*>(array)[i] = static_cast<Offset>(value);
+}
+
+template <typename Offset>
+__global__ void RaggedLayoutKernel(RaggedProblem p, RaggedLayout out) {
+  extern __shared__ int32_t shared[];
+  const int32_t M = p.max_segments;
+  const Runs q_runs{shared, shared + M, shared + 2 * M};
+  const Runs kv_runs{shared + 3 * M, shared + 4 * M, shared + 5 * M};
+  const int32_t b = blockIdx.x;
+  const int32_t T = p.q_len, S = p.kv_len;
+  const int32_t* q_ids = p.q_segment_ids + static_cast<int64_t>(b) * T;
+  const int32_t* kv_ids = p.kv_segment_ids + static_cast<int64_t>(b) * S;
+  const int32_t q_valid = p.q_seq_lengths ? Clamp(p.q_seq_lengths[b], 0, T) : T;
+  const int32_t kv_valid = p.kv_seq_lengths ? Clamp(p.kv_seq_lengths[b], 0, S) : S;
+
+  const int32_t nq = FindRuns(q_ids, T, q_valid, M, q_runs);
+  const int32_t nk = FindRuns(kv_ids, S, kv_valid, M, kv_runs);
+  const bool banded = p.causal || p.window_left >= 0 || p.window_right >= 0;
+  // The dense diagonal of the row: key j is on it for query i iff j == i + d.
+  const int32_t d = p.bottom_right ? kv_valid - q_valid : 0;
+  // Does the row keep the layout promise? Every thread checks its share.
+  const bool counts_fit = nq <= M && nk == nq;
+  const int32_t n = counts_fit ? nq : 0;
+  bool keeps = counts_fit;
+  for (int32_t m = threadIdx.x; m < n; m += blockDim.x) {
+    keeps &= q_runs.id[m] == kv_runs.id[m];
+    keeps &= !banded || q_runs.start[m] + d == kv_runs.start[m];
+  }
+  // No id in two runs (the pairing above makes the key row's ids the same list).
+  for (int64_t pair = threadIdx.x; pair < static_cast<int64_t>(n) * n; pair += blockDim.x) {
+    const int32_t i = static_cast<int32_t>(pair / n), j = static_cast<int32_t>(pair % n);
+    keeps &= !(i < j && q_runs.id[i] == q_runs.id[j]);
+  }
+  const bool ok = __syncthreads_and(keeps) != 0;
+  const int32_t live = ok ? nq : 0;
+
+  for (int32_t m = threadIdx.x; m < M; m += blockDim.x) {
+    const int64_t seq = static_cast<int64_t>(b) * M + m;
+    const bool running = m < live;
+    const int32_t qs = running ? q_runs.start[m] : T, ks = running ? kv_runs.start[m] : S;
+    out.seq_len_q[seq] = running ? q_runs.end[m] - qs : 0;
+    out.seq_len_kv[seq] = running ? kv_runs.end[m] - ks : 0;
+    const int64_t q_tok = static_cast<int64_t>(b) * T + qs, k_tok = static_cast<int64_t>(b) * S + ks;
+    Put<Offset>(out.offset_q, seq, q_tok * p.q_token);
+    Put<Offset>(out.offset_o, seq, q_tok * p.o_token);
+    Put<Offset>(out.offset_k, seq, k_tok * p.k_token);
+    Put<Offset>(out.offset_v, seq, k_tok * p.v_token);
+    Put<Offset>(out.offset_stats, seq, q_tok * p.heads);
+  }
+  if (b == p.batch - 1 && threadIdx.x == 0) {
+    const int64_t end = static_cast<int64_t>(p.batch) * M;
+    Put<Offset>(out.offset_q, end, static_cast<int64_t>(p.batch) * T * p.q_token);
+    Put<Offset>(out.offset_o, end, static_cast<int64_t>(p.batch) * T * p.o_token);
+    Put<Offset>(out.offset_k, end, static_cast<int64_t>(p.batch) * S * p.k_token);
+    Put<Offset>(out.offset_v, end, static_cast<int64_t>(p.batch) * S * p.v_token);
+    Put<Offset>(out.offset_stats, end, static_cast<int64_t>(p.batch) * p.heads * T);
+  }
+
+  // Query rows: does the query see a key of its own run (the band, relative to
+  // the run's start, cut to the key run's length)?
+  for (int32_t t = threadIdx.x; t < T; t += blockDim.x) {
+    uint8_t code = kRowPoisoned;
+    if (ok) {
+      code = kRowEmpty;
+      if (IdAt(q_ids, t, q_valid) != 0) {
+        int32_t lo_m = 0, hi_m = live - 1;  // the last run starting at or before t
+        while (lo_m < hi_m) {
+          const int32_t mid = (lo_m + hi_m + 1) / 2;
+          if (q_runs.start[mid] <= t) lo_m = mid;
+          else hi_m = mid - 1;
+        }
+        const int64_t i = t - q_runs.start[lo_m];
+        int64_t lo = 0, hi = kv_runs.end[lo_m] - kv_runs.start[lo_m] - 1;
+        if (p.causal && i < hi) hi = i;
+        if (p.window_right >= 0 && i + p.window_right < hi) hi = i + p.window_right;
+        if (p.window_left >= 0 && i - p.window_left > lo) lo = i - p.window_left;
+        code = lo <= hi ? kRowVisible : kRowEmpty;
+      }
+    }
+    out.q_rows[static_cast<int64_t>(b) * T + t] = code;
+  }
+  for (int32_t t = threadIdx.x; t < S; t += blockDim.x) {
+    out.kv_rows[static_cast<int64_t>(b) * S + t] = ok && IdAt(kv_ids, t, kv_valid) != 0;
+  }
+}
+
+__global__ void ZeroRowsExceptKernel(uint16_t* data, int64_t rows, int64_t row_elems, const uint8_t* code,
+                                     uint8_t keep) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    if (code[r] == keep) continue;
+    uint16_t* row = data + r * row_elems;
+    for (int64_t e = threadIdx.x; e < row_elems; e += blockDim.x) row[e] = 0;
+  }
+}
+
+}  // namespace
+
+bool NeedsWideOffsets(const RaggedProblem& p) {
+  const int64_t q_end = static_cast<int64_t>(p.batch) * p.q_len, k_end = static_cast<int64_t>(p.batch) * p.kv_len;
+  const int64_t largest = std::max({q_end * p.q_token, q_end * p.o_token, k_end * p.k_token, k_end * p.v_token,
+                                    q_end * p.heads});
+  return largest >= (int64_t{1} << 31);
+}
+
+int64_t RaggedLayoutBytes(const RaggedProblem& p) {
+  const int64_t seqs = static_cast<int64_t>(p.batch) * p.max_segments;
+  const int64_t offset = p.wide_offsets ? 8 : 4;
+  return 2 * Round(seqs * 4) + 5 * Round((seqs + 1) * offset) + Round(static_cast<int64_t>(p.batch) * p.q_len) +
+         Round(static_cast<int64_t>(p.batch) * p.kv_len);
+}
+
+RaggedLayout CarveRaggedLayout(const RaggedProblem& p, void* scratch) {
+  const int64_t seqs = static_cast<int64_t>(p.batch) * p.max_segments;
+  const int64_t offset = p.wide_offsets ? 8 : 4;
+  char* at = static_cast<char*>(scratch);
+  auto take = [&at](int64_t bytes) {
+    void* x = at;
+    at += Round(bytes);
+    return x;
+  };
+  RaggedLayout l;
+  l.seq_len_q = static_cast<int32_t*>(take(seqs * 4));
+  l.seq_len_kv = static_cast<int32_t*>(take(seqs * 4));
+  l.offset_q = take((seqs + 1) * offset);
+  l.offset_k = take((seqs + 1) * offset);
+  l.offset_v = take((seqs + 1) * offset);
+  l.offset_o = take((seqs + 1) * offset);
+  l.offset_stats = take((seqs + 1) * offset);
+  l.q_rows = static_cast<uint8_t*>(take(static_cast<int64_t>(p.batch) * p.q_len));
+  l.kv_rows = static_cast<uint8_t*>(take(static_cast<int64_t>(p.batch) * p.kv_len));
+  return l;
+}
+
+cudaError_t LaunchRaggedLayout(const RaggedProblem& p, const RaggedLayout& layout, cudaStream_t stream) {
+  if (p.batch == 0) return cudaSuccess;
+  if (p.max_segments <= 0) return cudaErrorInvalidValue;
+  const size_t shared = static_cast<size_t>(6) * p.max_segments * sizeof(int32_t);
+  if (p.wide_offsets) {
+    RaggedLayoutKernel<int64_t><<<p.batch, kThreads, shared, stream>>>(p, layout);
+  } else {
+    RaggedLayoutKernel<int32_t><<<p.batch, kThreads, shared, stream>>>(p, layout);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchZeroRowsExcept(void* data, int64_t rows, int64_t row_elems, const uint8_t* code, uint8_t keep,
+                                 cudaStream_t stream) {
+  if (rows == 0 || row_elems == 0) return cudaSuccess;
+  const int64_t blocks = rows < 65535 ? rows : 65535;
+  ZeroRowsExceptKernel<<<static_cast<unsigned>(blocks), 128, 0, stream>>>(static_cast<uint16_t*>(data), rows,
+                                                                          row_elems, code, keep);
+  return cudaGetLastError();
+}
+
+}  // namespace maxattn::cudnn
