@@ -7,7 +7,8 @@
 namespace maxattn::cudnn {
 namespace {
 
-constexpr int kThreads = 256;
+// One block per batch row: as many threads as a block has, since B blocks may be all the grid.
+constexpr int kThreads = 1024;
 
 int64_t Round(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
@@ -71,7 +72,7 @@ __device__ __forceinline__ void Put(void* array, int64_t i, int64_t value) {
 }
 
 template <typename Offset>
-__global__ void RaggedLayoutKernel(RaggedProblem p, RaggedLayout out) {
+__global__ void __launch_bounds__(kThreads) RaggedLayoutKernel(RaggedProblem p, RaggedLayout out) {
   extern __shared__ int32_t shared[];
   const int32_t M = p.max_segments;
   const Runs q_runs{shared, shared + M, shared + 2 * M};
