@@ -131,19 +131,10 @@ Status BaseSpec(const AttentionShape& shape, const AttentionOptions& options, co
 // The ragged layout of a call with max_segments > 0 (ragged.h).
 RaggedProblem RaggedProblemOf(const AttentionShape& s, const AttentionOptions& o, const AttentionInputs& in) {
   RaggedProblem p;
-  p.batch = static_cast<int32_t>(s.batch);
-  p.q_len = static_cast<int32_t>(s.q_len);
-  p.kv_len = static_cast<int32_t>(s.kv_len);
-  p.heads = static_cast<int32_t>(s.num_q_heads);
+  p.rows = Geometry(s, o, in);
   p.max_segments = static_cast<int32_t>(o.max_segments);
   p.q_segment_ids = in.q_segment_ids;
   p.kv_segment_ids = in.kv_segment_ids;
-  p.q_seq_lengths = in.q_seq_lengths;
-  p.kv_seq_lengths = in.kv_seq_lengths;
-  p.causal = o.causal;
-  p.bottom_right = o.alignment == CausalAlignment::kBottomRight;
-  p.window_left = o.window_left;
-  p.window_right = o.window_right;
   p.q_token = s.num_q_heads * s.head_dim;
   p.k_token = s.num_kv_heads * s.head_dim;
   p.v_token = s.num_kv_heads * s.head_dim_v;

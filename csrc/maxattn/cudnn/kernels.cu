@@ -73,6 +73,14 @@ __device__ __forceinline__ void LoadRows(const float* p, int64_t stride, int64_t
   for (int r = 0; r < kRowsPerThread; ++r) x[r] = i0 + r < end ? p[(i0 + r) * stride] : 0.0f;
 }
 
+// Sets every element of out[b, i, n, :] (2-byte elements) to `bits`.
+__device__ __forceinline__ void FillOutRow(const FinalizeArgs& args, int32_t b, int64_t i, int32_t n, uint16_t bits) {
+  const RowGeometry& g = args.geometry;
+  uint16_t* row = static_cast<uint16_t*>(args.out) + ((static_cast<int64_t>(b) * g.q_len + i) * g.heads + n) *
+                                                         args.head_dim_v;
+  for (int32_t h = 0; h < args.head_dim_v; ++h) row[h] = bits;
+}
+
 // One block per (b, n).
 __global__ void FinalizeForwardKernel(FinalizeArgs args, bool vectorized) {
   const RowGeometry& g = args.geometry;
@@ -103,11 +111,7 @@ __global__ void FinalizeForwardKernel(FinalizeArgs args, bool vectorized) {
         if (args.lse) args.lse[idx] = NAN;
         if (args.row_scale) args.row_scale[idx] = NAN;
         if (args.max_logit) acc = NAN;
-        if (args.out) {
-          uint16_t* row = static_cast<uint16_t*>(args.out) +
-                          ((static_cast<int64_t>(b) * g.q_len + i) * g.heads + n) * args.head_dim_v;
-          for (int32_t h = 0; h < args.head_dim_v; ++h) row[h] = 0x7FFF;  // a NaN in bf16 and fp16
-        }
+        if (args.out) FillOutRow(args, b, i, n, 0x7FFF);  // a NaN in bf16 and fp16
         continue;
       }
       bool visible = g.row_code ? code == kRowVisible : RowVisible(g, b, i);
@@ -129,11 +133,7 @@ __global__ void FinalizeForwardKernel(FinalizeArgs args, bool vectorized) {
       } else {
         if (args.lse) args.lse[idx] = sink;
         if (args.row_scale) args.row_scale[idx] = 0.0f;
-        if (args.out) {
-          uint16_t* row = static_cast<uint16_t*>(args.out) +
-                          ((static_cast<int64_t>(b) * g.q_len + i) * g.heads + n) * args.head_dim_v;
-          for (int32_t h = 0; h < args.head_dim_v; ++h) row[h] = 0;
-        }
+        if (args.out) FillOutRow(args, b, i, n, 0);
       }
     }
   }

@@ -78,17 +78,17 @@ __global__ void __launch_bounds__(kThreads) RaggedLayoutKernel(RaggedProblem p, 
   const Runs q_runs{shared, shared + M, shared + 2 * M};
   const Runs kv_runs{shared + 3 * M, shared + 4 * M, shared + 5 * M};
   const int32_t b = blockIdx.x;
-  const int32_t T = p.q_len, S = p.kv_len;
+  const int32_t T = p.rows.q_len, S = p.rows.kv_len;
   const int32_t* q_ids = p.q_segment_ids + static_cast<int64_t>(b) * T;
   const int32_t* kv_ids = p.kv_segment_ids + static_cast<int64_t>(b) * S;
-  const int32_t q_valid = p.q_seq_lengths ? Clamp(p.q_seq_lengths[b], 0, T) : T;
-  const int32_t kv_valid = p.kv_seq_lengths ? Clamp(p.kv_seq_lengths[b], 0, S) : S;
+  const int32_t q_valid = p.rows.q_seq_lengths ? Clamp(p.rows.q_seq_lengths[b], 0, T) : T;
+  const int32_t kv_valid = p.rows.kv_seq_lengths ? Clamp(p.rows.kv_seq_lengths[b], 0, S) : S;
 
   const int32_t nq = FindRuns(q_ids, T, q_valid, M, q_runs);
   const int32_t nk = FindRuns(kv_ids, S, kv_valid, M, kv_runs);
-  const bool banded = p.causal || p.window_left >= 0 || p.window_right >= 0;
+  const bool banded = p.rows.causal || p.rows.window_left >= 0 || p.rows.window_right >= 0;
   // The dense diagonal of the row: key j is on it for query i iff j == i + d.
-  const int32_t d = p.bottom_right ? kv_valid - q_valid : 0;
+  const int32_t d = p.rows.bottom_right ? kv_valid - q_valid : 0;
   // Does the row keep the layout promise? Every thread checks its share.
   const bool counts_fit = nq <= M && nk == nq;
   const int32_t n = counts_fit ? nq : 0;
@@ -116,15 +116,15 @@ __global__ void __launch_bounds__(kThreads) RaggedLayoutKernel(RaggedProblem p, 
     Put<Offset>(out.offset_o, seq, q_tok * p.o_token);
     Put<Offset>(out.offset_k, seq, k_tok * p.k_token);
     Put<Offset>(out.offset_v, seq, k_tok * p.v_token);
-    Put<Offset>(out.offset_stats, seq, q_tok * p.heads);
+    Put<Offset>(out.offset_stats, seq, q_tok * p.rows.heads);
   }
-  if (b == p.batch - 1 && threadIdx.x == 0) {
-    const int64_t end = static_cast<int64_t>(p.batch) * M;
-    Put<Offset>(out.offset_q, end, static_cast<int64_t>(p.batch) * T * p.q_token);
-    Put<Offset>(out.offset_o, end, static_cast<int64_t>(p.batch) * T * p.o_token);
-    Put<Offset>(out.offset_k, end, static_cast<int64_t>(p.batch) * S * p.k_token);
-    Put<Offset>(out.offset_v, end, static_cast<int64_t>(p.batch) * S * p.v_token);
-    Put<Offset>(out.offset_stats, end, static_cast<int64_t>(p.batch) * p.heads * T);
+  if (b == p.rows.batch - 1 && threadIdx.x == 0) {
+    const int64_t end = static_cast<int64_t>(p.rows.batch) * M;
+    Put<Offset>(out.offset_q, end, static_cast<int64_t>(p.rows.batch) * T * p.q_token);
+    Put<Offset>(out.offset_o, end, static_cast<int64_t>(p.rows.batch) * T * p.o_token);
+    Put<Offset>(out.offset_k, end, static_cast<int64_t>(p.rows.batch) * S * p.k_token);
+    Put<Offset>(out.offset_v, end, static_cast<int64_t>(p.rows.batch) * S * p.v_token);
+    Put<Offset>(out.offset_stats, end, static_cast<int64_t>(p.rows.batch) * p.rows.heads * T);
   }
 
   // Query rows: does the query see a key of its own run (the band, relative to
@@ -142,9 +142,9 @@ __global__ void __launch_bounds__(kThreads) RaggedLayoutKernel(RaggedProblem p, 
         }
         const int64_t i = t - q_runs.start[lo_m];
         int64_t lo = 0, hi = kv_runs.end[lo_m] - kv_runs.start[lo_m] - 1;
-        if (p.causal && i < hi) hi = i;
-        if (p.window_right >= 0 && i + p.window_right < hi) hi = i + p.window_right;
-        if (p.window_left >= 0 && i - p.window_left > lo) lo = i - p.window_left;
+        if (p.rows.causal && i < hi) hi = i;
+        if (p.rows.window_right >= 0 && i + p.rows.window_right < hi) hi = i + p.rows.window_right;
+        if (p.rows.window_left >= 0 && i - p.rows.window_left > lo) lo = i - p.rows.window_left;
         code = lo <= hi ? kRowVisible : kRowEmpty;
       }
     }
@@ -167,21 +167,21 @@ __global__ void ZeroRowsExceptKernel(uint16_t* data, int64_t rows, int64_t row_e
 }  // namespace
 
 bool NeedsWideOffsets(const RaggedProblem& p) {
-  const int64_t q_end = static_cast<int64_t>(p.batch) * p.q_len, k_end = static_cast<int64_t>(p.batch) * p.kv_len;
+  const int64_t q_end = static_cast<int64_t>(p.rows.batch) * p.rows.q_len, k_end = static_cast<int64_t>(p.rows.batch) * p.rows.kv_len;
   const int64_t largest = std::max({q_end * p.q_token, q_end * p.o_token, k_end * p.k_token, k_end * p.v_token,
-                                    q_end * p.heads});
+                                    q_end * p.rows.heads});
   return largest >= (int64_t{1} << 31);
 }
 
 int64_t RaggedLayoutBytes(const RaggedProblem& p) {
-  const int64_t seqs = static_cast<int64_t>(p.batch) * p.max_segments;
+  const int64_t seqs = static_cast<int64_t>(p.rows.batch) * p.max_segments;
   const int64_t offset = p.wide_offsets ? 8 : 4;
-  return 2 * Round(seqs * 4) + 5 * Round((seqs + 1) * offset) + Round(static_cast<int64_t>(p.batch) * p.q_len) +
-         Round(static_cast<int64_t>(p.batch) * p.kv_len);
+  return 2 * Round(seqs * 4) + 5 * Round((seqs + 1) * offset) + Round(static_cast<int64_t>(p.rows.batch) * p.rows.q_len) +
+         Round(static_cast<int64_t>(p.rows.batch) * p.rows.kv_len);
 }
 
 RaggedLayout CarveRaggedLayout(const RaggedProblem& p, void* scratch) {
-  const int64_t seqs = static_cast<int64_t>(p.batch) * p.max_segments;
+  const int64_t seqs = static_cast<int64_t>(p.rows.batch) * p.max_segments;
   const int64_t offset = p.wide_offsets ? 8 : 4;
   char* at = static_cast<char*>(scratch);
   auto take = [&at](int64_t bytes) {
@@ -197,19 +197,19 @@ RaggedLayout CarveRaggedLayout(const RaggedProblem& p, void* scratch) {
   l.offset_v = take((seqs + 1) * offset);
   l.offset_o = take((seqs + 1) * offset);
   l.offset_stats = take((seqs + 1) * offset);
-  l.q_rows = static_cast<uint8_t*>(take(static_cast<int64_t>(p.batch) * p.q_len));
-  l.kv_rows = static_cast<uint8_t*>(take(static_cast<int64_t>(p.batch) * p.kv_len));
+  l.q_rows = static_cast<uint8_t*>(take(static_cast<int64_t>(p.rows.batch) * p.rows.q_len));
+  l.kv_rows = static_cast<uint8_t*>(take(static_cast<int64_t>(p.rows.batch) * p.rows.kv_len));
   return l;
 }
 
 cudaError_t LaunchRaggedLayout(const RaggedProblem& p, const RaggedLayout& layout, cudaStream_t stream) {
-  if (p.batch == 0) return cudaSuccess;
+  if (p.rows.batch == 0) return cudaSuccess;
   if (p.max_segments <= 0) return cudaErrorInvalidValue;
   const size_t shared = static_cast<size_t>(6) * p.max_segments * sizeof(int32_t);
   if (p.wide_offsets) {
-    RaggedLayoutKernel<int64_t><<<p.batch, kThreads, shared, stream>>>(p, layout);
+    RaggedLayoutKernel<int64_t><<<p.rows.batch, kThreads, shared, stream>>>(p, layout);
   } else {
-    RaggedLayoutKernel<int32_t><<<p.batch, kThreads, shared, stream>>>(p, layout);
+    RaggedLayoutKernel<int32_t><<<p.rows.batch, kThreads, shared, stream>>>(p, layout);
   }
   return cudaGetLastError();
 }

@@ -24,6 +24,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "maxattn/cudnn/kernels.h"
+
 namespace maxattn::cudnn {
 
 // What a query row r = (b, t) of a ragged call is (RaggedLayout::q_rows).
@@ -34,16 +36,13 @@ enum RowCode : uint8_t {
 };
 
 struct RaggedProblem {
-  int32_t batch = 0, q_len = 0, kv_len = 0;  // B, T, S
-  int32_t heads = 0;                         // N (statistics layout [B, T, N])
-  int32_t max_segments = 0;                  // M
-  const int32_t* q_segment_ids = nullptr;    // [B, T]
-  const int32_t* kv_segment_ids = nullptr;   // [B, S]
-  const int32_t* q_seq_lengths = nullptr;    // [B] or null: queries past them are padding
-  const int32_t* kv_seq_lengths = nullptr;   // [B] or null
-  bool causal = false;
-  bool bottom_right = false;
-  int64_t window_left = -1, window_right = -1;
+  // B, N, T, S, the padding lengths (tokens past them are padding) and the
+  // band, as the epilogue sees them (row_code unused here). N: the statistics
+  // layout [B, T, N].
+  RowGeometry rows;
+  int32_t max_segments = 0;                 // M
+  const int32_t* q_segment_ids = nullptr;   // [B, T]
+  const int32_t* kv_segment_ids = nullptr;  // [B, S]
   // Elements per token of each tensor's buffer (heads * head dim).
   int64_t q_token = 0, k_token = 0, v_token = 0, o_token = 0;
   bool wide_offsets = false;  // int64 offsets (else int32: every offset < 2^31)
