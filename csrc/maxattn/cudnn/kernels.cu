@@ -1,6 +1,7 @@
 #include "maxattn/cudnn/kernels.h"
 
 #include "maxattn/cudnn/ragged.h"
+#include "maxattn/float_max.cuh"
 
 #include <cmath>
 #include <cstdint>
@@ -24,13 +25,6 @@ __device__ __forceinline__ bool RowVisible(const RowGeometry& g, int32_t b, int6
   if (g.window_right >= 0 && i + d + g.window_right < hi) hi = i + d + g.window_right;
   if (g.window_left >= 0 && i + d - g.window_left > lo) lo = i + d - g.window_left;
   return lo <= hi;
-}
-
-// max that propagates NaN from either side.
-__device__ __forceinline__ float NanMax(float a, float b) {
-  if (a != a) return a;
-  if (b != b) return b;
-  return a > b ? a : b;
 }
 
 // log(exp(a) + exp(b)) for finite b; a may be -inf.
@@ -81,10 +75,13 @@ __device__ __forceinline__ void FillOutRow(const FinalizeArgs& args, int32_t b, 
   for (int32_t h = 0; h < args.head_dim_v; ++h) row[h] = bits;
 }
 
-// One block per (b, n).
-__global__ void FinalizeForwardKernel(FinalizeArgs args, bool vectorized) {
+// Block (bn, c) takes rows [c * rows_per_block, (c + 1) * rows_per_block) of
+// (b, n) = (bn / N, bn % N).
+__global__ void FinalizeForwardKernel(FinalizeArgs args, bool vectorized, int64_t rows_per_block) {
   const RowGeometry& g = args.geometry;
   const int32_t bn = blockIdx.x;  // b * N + n
+  const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * rows_per_block;
+  const int64_t row_end = row_begin + rows_per_block < g.q_len ? row_begin + rows_per_block : g.q_len;
   const int32_t b = bn / g.heads;
   const int32_t n = bn % g.heads;
   const int64_t base = static_cast<int64_t>(bn) * g.q_len;  // of (b, n, 0) in [B, N, T]
@@ -95,15 +92,15 @@ __global__ void FinalizeForwardKernel(FinalizeArgs args, bool vectorized) {
   // The Stats (no Sum_exp): read when the lse, a probe or the sink needs them.
   const float* stats_in = args.stats ? args.stats : (args.sum_exp ? nullptr : args.lse);
   float acc = -INFINITY;
-  for (int64_t i0 = threadIdx.x * static_cast<int64_t>(kRowsPerThread); i0 < g.q_len;
+  for (int64_t i0 = row_begin + threadIdx.x * static_cast<int64_t>(kRowsPerThread); i0 < row_end;
        i0 += static_cast<int64_t>(blockDim.x) * kRowsPerThread) {
     float m[kRowsPerThread] = {}, sum_exp[kRowsPerThread] = {}, stats[kRowsPerThread] = {};
-    if (args.row_max) LoadRows(args.row_max + in_base, in_stride, i0, g.q_len, vectorized, m);
-    if (args.sum_exp) LoadRows(args.sum_exp + in_base, in_stride, i0, g.q_len, vectorized, sum_exp);
-    if (stats_in) LoadRows(stats_in + in_base, in_stride, i0, g.q_len, vectorized, stats);
+    if (args.row_max) LoadRows(args.row_max + in_base, in_stride, i0, row_end, vectorized, m);
+    if (args.sum_exp) LoadRows(args.sum_exp + in_base, in_stride, i0, row_end, vectorized, sum_exp);
+    if (stats_in) LoadRows(stats_in + in_base, in_stride, i0, row_end, vectorized, stats);
     for (int r = 0; r < kRowsPerThread; ++r) {
       const int64_t i = i0 + r;
-      if (i >= g.q_len) break;
+      if (i >= row_end) break;
       const int64_t idx = base + i;
       const uint8_t code = g.row_code ? g.row_code[static_cast<int64_t>(b) * g.q_len + i] : kRowVisible;
       if (code == kRowPoisoned) {
@@ -139,7 +136,11 @@ __global__ void FinalizeForwardKernel(FinalizeArgs args, bool vectorized) {
   }
   if (!args.max_logit) return;
   acc = BlockReduce(acc, [](float x, float y) { return NanMax(x, y); }, -INFINITY);
-  if (threadIdx.x == 0) args.max_logit[bn] = acc;
+  if (threadIdx.x != 0) return;
+  // One block per (b, n) stores; several combine through the atomic (the
+  // launcher filled the buffer with the sentinel first).
+  if (gridDim.y == 1) args.max_logit[bn] = acc;
+  else AtomicMaxFloat(args.max_logit + bn, acc);
 }
 
 // Eight 2-byte elements (16 bytes) per thread: Hv % 8 == 0 (cuDNN's rule), so
@@ -285,12 +286,24 @@ cudaError_t LaunchFinalizeForward(const FinalizeArgs& args, cudaStream_t stream)
   if (blocks == 0) return cudaSuccess;
   const int64_t q_len = args.geometry.q_len;
   auto aligned = [](const float* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  // Rows per block: one step of kFinalizeThreads threads. A multiple of
+  // kRowsPerThread, so every block's first row keeps the float4 alignment.
+  constexpr int kFinalizeThreads = 256;
+  constexpr int64_t kRowsPerBlock = int64_t{kFinalizeThreads} * kRowsPerThread;
   const bool vectorized = q_len % kRowsPerThread == 0 && aligned(args.row_max) && aligned(args.sum_exp) &&
                           aligned(args.stats) && aligned(args.lse);
-  // Enough threads for one step over the rows, in whole warps, at most 1024.
+  const int64_t chunks = q_len == 0 ? 1 : (q_len + kRowsPerBlock - 1) / kRowsPerBlock;
+  if (chunks > 65535) return cudaErrorInvalidValue;
+  if (chunks > 1 && args.max_logit) {
+    const cudaError_t err =
+        cudaMemsetAsync(args.max_logit, kAtomicMaxEmptyByte, static_cast<size_t>(blocks) * sizeof(float), stream);
+    if (err != cudaSuccess) return err;
+  }
+  // A single chunk: enough threads for its rows, in whole warps.
   const int64_t wanted = (q_len + kRowsPerThread - 1) / kRowsPerThread;
-  const int threads = static_cast<int>(wanted >= 1024 ? 1024 : (wanted + 31) / 32 * 32);
-  FinalizeForwardKernel<<<blocks, threads, 0, stream>>>(args, vectorized);
+  const int threads = chunks > 1 ? kFinalizeThreads : static_cast<int>((wanted + 31) / 32 * 32);
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks));
+  FinalizeForwardKernel<<<grid, threads > 0 ? threads : 32, 0, stream>>>(args, vectorized, kRowsPerBlock);
   return cudaGetLastError();
 }
 

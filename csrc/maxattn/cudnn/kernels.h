@@ -52,7 +52,9 @@ struct FinalizeArgs {
   float* row_scale = nullptr;  // [B, N, T] or null
 };
 
-// One block per (b, n).
+// Blocks of 1024 rows of each (b, n); with more than one per (b, n), the
+// max_logit buffer is filled with float_max.cuh's sentinel first and the
+// blocks combine by atomic max.
 cudaError_t LaunchFinalizeForward(const FinalizeArgs& args, cudaStream_t stream);
 
 // out[b, t, n, :] *= row_scale[b, n, t] for 2-byte `out` (bf16 or fp16);

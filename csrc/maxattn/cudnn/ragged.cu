@@ -9,6 +9,11 @@ namespace {
 
 // One block per batch row: as many threads as a block has, since B blocks may be all the grid.
 constexpr int kThreads = 1024;
+// Rows are walked in tiles of kThreads * kTokensPerThread tokens: each thread
+// loads its kTokensPerThread consecutive query and key ids of the tile at
+// once (independent loads: the memory latency is paid once per tile).
+constexpr int kTokensPerThread = 8;
+constexpr int32_t kTile = kThreads * kTokensPerThread;
 
 int64_t Round(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
@@ -26,30 +31,49 @@ __device__ __forceinline__ int32_t IdAt(const int32_t* ids, int64_t t, int32_t v
   return t >= 0 && t < valid ? ids[t] : 0;
 }
 
-// Records the first `max_runs` runs of equal non-zero ids of `ids[0, len)`
-// (tokens >= valid are padding) in `runs`; returns the number of runs (every
-// thread). Each thread walks one contiguous chunk: a scan over the per-chunk
-// run counts gives each chunk the index of its first run.
-__device__ int32_t FindRuns(const int32_t* ids, int32_t len, int32_t valid, int32_t max_runs, Runs runs) {
-  using Scan = cub::BlockScan<int32_t, kThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  const int32_t chunk = (len + kThreads - 1) / kThreads;
-  const int32_t t0 = min(len, static_cast<int32_t>(threadIdx.x) * chunk);
-  const int32_t t1 = min(len, t0 + chunk);
-  int32_t starts = 0;
-  int32_t prev = IdAt(ids, t0 - 1, valid);
-  for (int32_t t = t0; t < t1; ++t) {
-    const int32_t cur = IdAt(ids, t, valid);
-    starts += cur != 0 && cur != prev;
-    prev = cur;
+// One row of ids as the block walks it: ids[t] for t < valid, 0 past it; len tokens.
+struct IdRow {
+  const int32_t* ids;
+  int32_t len;
+  int32_t valid;
+};
+
+// This thread's tokens [t0, t0 + kTokensPerThread) of one tile of a row
+// (ids past the row are 0), and the id of token t0 - 1.
+struct ThreadIds {
+  int32_t t0;
+  int32_t before;
+  int32_t id[kTokensPerThread];
+};
+
+__device__ __forceinline__ ThreadIds LoadThreadIds(const IdRow& row, int32_t tile) {
+  ThreadIds x;
+  x.t0 = tile + static_cast<int32_t>(threadIdx.x) * kTokensPerThread;
+  x.before = IdAt(row.ids, x.t0 - 1, row.valid);
+#pragma unroll
+  for (int k = 0; k < kTokensPerThread; ++k) x.id[k] = IdAt(row.ids, static_cast<int64_t>(x.t0) + k, row.valid);
+  return x;
+}
+
+__device__ __forceinline__ int32_t CountStarts(const ThreadIds& x) {
+  int32_t starts = 0, prev = x.before;
+#pragma unroll
+  for (int k = 0; k < kTokensPerThread; ++k) {
+    starts += x.id[k] != 0 && x.id[k] != prev;
+    prev = x.id[k];
   }
-  int32_t first = 0, total = 0;
-  Scan(scan_storage).ExclusiveSum(starts, first, total);
-  int32_t r = first - 1;  // the run that token t0 - 1 belongs to (if any)
-  prev = IdAt(ids, t0 - 1, valid);
-  for (int32_t t = t0; t < t1; ++t) {
-    const int32_t cur = IdAt(ids, t, valid);
-    if (cur != prev) {
+  return starts;
+}
+
+// Records the runs of this thread's tokens whose index (r0 + 1 for the first
+// run starting here) is below max_runs.
+__device__ __forceinline__ void RecordRuns(const ThreadIds& x, int32_t len, int32_t r0, int32_t max_runs, Runs runs) {
+  int32_t r = r0 - 1;  // the run that token t0 - 1 belongs to (if any)
+  int32_t prev = x.before;
+#pragma unroll
+  for (int k = 0; k < kTokensPerThread; ++k) {
+    const int32_t t = x.t0 + k, cur = x.id[k];
+    if (t < len && cur != prev) {
       if (prev != 0 && r >= 0 && r < max_runs) runs.end[r] = t;
       if (cur != 0) {
         ++r;
@@ -61,9 +85,39 @@ __device__ int32_t FindRuns(const int32_t* ids, int32_t len, int32_t valid, int3
     }
     prev = cur;
   }
-  if (t0 < t1 && t1 == len && prev != 0 && r >= 0 && r < max_runs) runs.end[r] = len;
+}
+
+// Finds the runs of equal non-zero ids of the query row and the key row
+// together (the first max_runs of each recorded in q_runs / kv_runs) and
+// returns their counts. Per tile, one block scan over the threads' counts of
+// run starts (query count in the low 16 bits, key count in the high: a tile
+// has fewer than 2^16 tokens) gives each thread the index of its first run.
+__device__ int2 FindRuns(const IdRow& q, const IdRow& kv, int32_t max_runs, Runs q_runs, Runs kv_runs) {
+  using Scan = cub::BlockScan<int32_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  static_assert(kTile < (1 << 15), "two 16-bit counts per scanned int");
+  int2 carry{0, 0};  // runs that start in earlier tiles
+  const int32_t len = q.len > kv.len ? q.len : kv.len;
+  for (int32_t tile = 0; tile < len; tile += kTile) {
+    const ThreadIds xq = LoadThreadIds(q, tile);
+    const ThreadIds xk = LoadThreadIds(kv, tile);
+    int32_t first = 0, tile_runs = 0;
+    Scan(scan_storage).ExclusiveSum(CountStarts(xq) | (CountStarts(xk) << 16), first, tile_runs);
+    RecordRuns(xq, q.len, carry.x + (first & 0xffff), max_runs, q_runs);
+    RecordRuns(xk, kv.len, carry.y + (first >> 16), max_runs, kv_runs);
+    carry.x += tile_runs & 0xffff;
+    carry.y += tile_runs >> 16;
+    __syncthreads();  // scan_storage is reused by the next tile
+  }
+  // A row's last run, if it reaches the row's end, ends there.
+  if (threadIdx.x == 0 && carry.x > 0 && carry.x <= max_runs && IdAt(q.ids, int64_t{q.len} - 1, q.valid) != 0) {
+    q_runs.end[carry.x - 1] = q.len;
+  }
+  if (threadIdx.x == 1 && carry.y > 0 && carry.y <= max_runs && IdAt(kv.ids, int64_t{kv.len} - 1, kv.valid) != 0) {
+    kv_runs.end[carry.y - 1] = kv.len;
+  }
   __syncthreads();
-  return total;
+  return carry;
 }
 
 template <typename Offset>
@@ -84,8 +138,9 @@ __global__ void __launch_bounds__(kThreads) RaggedLayoutKernel(RaggedProblem p, 
   const int32_t q_valid = p.rows.q_seq_lengths ? Clamp(p.rows.q_seq_lengths[b], 0, T) : T;
   const int32_t kv_valid = p.rows.kv_seq_lengths ? Clamp(p.rows.kv_seq_lengths[b], 0, S) : S;
 
-  const int32_t nq = FindRuns(q_ids, T, q_valid, M, q_runs);
-  const int32_t nk = FindRuns(kv_ids, S, kv_valid, M, kv_runs);
+  const IdRow q_row{q_ids, T, q_valid}, kv_row{kv_ids, S, kv_valid};
+  const int2 counts = FindRuns(q_row, kv_row, M, q_runs, kv_runs);
+  const int32_t nq = counts.x, nk = counts.y;
   const bool banded = p.rows.causal || p.rows.window_left >= 0 || p.rows.window_right >= 0;
   // The dense diagonal of the row: key j is on it for query i iff j == i + d.
   const int32_t d = p.rows.bottom_right ? kv_valid - q_valid : 0;
@@ -129,29 +184,41 @@ __global__ void __launch_bounds__(kThreads) RaggedLayoutKernel(RaggedProblem p, 
 
   // Query rows: does the query see a key of its own run (the band, relative to
   // the run's start, cut to the key run's length)?
-  for (int32_t t = threadIdx.x; t < T; t += blockDim.x) {
-    uint8_t code = kRowPoisoned;
-    if (ok) {
-      code = kRowEmpty;
-      if (IdAt(q_ids, t, q_valid) != 0) {
-        int32_t lo_m = 0, hi_m = live - 1;  // the last run starting at or before t
-        while (lo_m < hi_m) {
-          const int32_t mid = (lo_m + hi_m + 1) / 2;
-          if (q_runs.start[mid] <= t) lo_m = mid;
-          else hi_m = mid - 1;
+  for (int32_t tile = 0; tile < T; tile += kTile) {
+    const ThreadIds x = LoadThreadIds(q_row, tile);
+#pragma unroll
+    for (int k = 0; k < kTokensPerThread; ++k) {
+      const int32_t t = x.t0 + k;
+      if (t >= T) break;
+      uint8_t code = kRowPoisoned;
+      if (ok) {
+        code = kRowEmpty;
+        if (x.id[k] != 0) {
+          int32_t lo_m = 0, hi_m = live - 1;  // the last run starting at or before t
+          while (lo_m < hi_m) {
+            const int32_t mid = (lo_m + hi_m + 1) / 2;
+            if (q_runs.start[mid] <= t) lo_m = mid;
+            else hi_m = mid - 1;
+          }
+          const int64_t i = t - q_runs.start[lo_m];
+          int64_t lo = 0, hi = kv_runs.end[lo_m] - kv_runs.start[lo_m] - 1;
+          if (p.rows.causal && i < hi) hi = i;
+          if (p.rows.window_right >= 0 && i + p.rows.window_right < hi) hi = i + p.rows.window_right;
+          if (p.rows.window_left >= 0 && i - p.rows.window_left > lo) lo = i - p.rows.window_left;
+          code = lo <= hi ? kRowVisible : kRowEmpty;
         }
-        const int64_t i = t - q_runs.start[lo_m];
-        int64_t lo = 0, hi = kv_runs.end[lo_m] - kv_runs.start[lo_m] - 1;
-        if (p.rows.causal && i < hi) hi = i;
-        if (p.rows.window_right >= 0 && i + p.rows.window_right < hi) hi = i + p.rows.window_right;
-        if (p.rows.window_left >= 0 && i - p.rows.window_left > lo) lo = i - p.rows.window_left;
-        code = lo <= hi ? kRowVisible : kRowEmpty;
       }
+      out.q_rows[static_cast<int64_t>(b) * T + t] = code;
     }
-    out.q_rows[static_cast<int64_t>(b) * T + t] = code;
   }
-  for (int32_t t = threadIdx.x; t < S; t += blockDim.x) {
-    out.kv_rows[static_cast<int64_t>(b) * S + t] = ok && IdAt(kv_ids, t, kv_valid) != 0;
+  for (int32_t tile = 0; tile < S; tile += kTile) {
+    const ThreadIds x = LoadThreadIds(kv_row, tile);
+#pragma unroll
+    for (int k = 0; k < kTokensPerThread; ++k) {
+      const int32_t t = x.t0 + k;
+      if (t >= S) break;
+      out.kv_rows[static_cast<int64_t>(b) * S + t] = ok && x.id[k] != 0;
+    }
   }
 }
 

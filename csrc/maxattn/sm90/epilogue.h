@@ -7,39 +7,23 @@
 // CTA reduces them by shuffles and shared memory and issues ONE atomic max
 // per CTA into max_logit[b, n].
 //
-// The float atomic max orders floats through their bit patterns: non-negative
-// values by signed-int atomicMax, negative ones by unsigned atomicMin. NaN is
-// stored as 0x7fffffff, the largest signed int, so it wins against every value
-// and stays. The launcher fills the buffer with 0xffffffff first: -1 as an int
-// (below every non-negative float) and the largest unsigned (above every
-// negative float), so the first CTA's value, -inf included, always replaces it.
-// Every CTA of a (b, n) issues its atomic, also when it sees nothing, so the
-// sentinel never survives a launch with T > 0.
+// The atomic max and its sentinel are float_max.cuh's. Every CTA of a (b, n)
+// issues its atomic, also when it sees nothing.
 #ifndef MAXATTN_SM90_EPILOGUE_H_
 #define MAXATTN_SM90_EPILOGUE_H_
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include "maxattn/float_max.cuh"
 #include "maxattn/sm90/kernel_config.h"
 #include "maxattn/sm90/mask.h"
 #include "maxattn/sm90/tile_scheduler.h"
 
 namespace maxattn::sm90 {
 
-__device__ __forceinline__ float NanMax(float a, float b) {
-  return (a != a || b != b) ? __int_as_float(0x7fffffff) : fmaxf(a, b);
-}
-
-__device__ __forceinline__ void AtomicMaxFloat(float* address, float value) {
-  if (value != value) {
-    atomicMax(reinterpret_cast<int*>(address), 0x7fffffff);
-  } else if (__float_as_int(value) >= 0) {
-    atomicMax(reinterpret_cast<int*>(address), __float_as_int(value));
-  } else {
-    atomicMin(reinterpret_cast<unsigned int*>(address), __float_as_uint(value));
-  }
-}
+using ::maxattn::AtomicMaxFloat;
+using ::maxattn::NanMax;
 
 // Named barriers among the consumer warpgroups: 1 for the epilogue's
 // max_logit reduction, 2 and 3 for the ping-pong turns (mainloop_consumer.h).
