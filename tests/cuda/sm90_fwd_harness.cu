@@ -4,6 +4,7 @@
 //   sm90_fwd_harness            all cases, then the timed shapes
 //   sm90_fwd_harness --small    two small cases, no timing (for compute-sanitizer)
 //   sm90_fwd_harness --no-perf  all cases, no timing
+//   sm90_fwd_harness --perf-only [--shape I]   timings only (of timed shape I alone)
 //
 // Each case draws fresh random inputs, poisons the outputs (0x7f bytes: a huge
 // finite value) before the run, compares out / lse / max_logit with the
@@ -18,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -439,14 +441,16 @@ __global__ void RandomFill(uint16_t* x, size_t n, uint32_t seed, bool bf16) {
   }
 }
 
-void Perf() {
+void Perf(int only_shape) {
   struct Shape { int B, T, N, K, H; bool causal; };
   const Shape shapes[] = {{4, 2048, 32, 32, 128, true}, {4, 2048, 32, 32, 128, false},
                           {2, 8192, 16, 16, 128, true}, {4, 4096, 32, 8, 128, true},
                           {8, 2048, 16, 16, 64, true}};
   std::printf("\n%-28s %10s %10s %10s %10s %10s\n", "B,T,N,K,H mask", "ms(lse)", "TFLOP/s", "ms(+max)",
               "TFLOP/s", "max cost");
-  for (const Shape& s : shapes) {
+  for (int si = 0; si < static_cast<int>(sizeof shapes / sizeof shapes[0]); ++si) {
+    if (only_shape >= 0 && si != only_shape) continue;
+    const Shape& s = shapes[si];
     const size_t nq = static_cast<size_t>(s.B) * s.T * s.N * s.H, nk = static_cast<size_t>(s.B) * s.T * s.K * s.H;
     DeviceBuffer<uint16_t> q(nq), k(nk), v(nk), out(nq);
     DeviceBuffer<float> lse(static_cast<size_t>(s.B) * s.N * s.T), mx(static_cast<size_t>(s.B) * s.N);
@@ -498,9 +502,11 @@ void Perf() {
 
 int main(int argc, char** argv) {
   bool small = false, perf = true;
+  int only_shape = -1;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--small")) { small = true; perf = false; }
     if (!std::strcmp(argv[i], "--no-perf")) perf = false;
+    if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only_shape = std::atoi(argv[++i]);
   }
   cudaDeviceProp prop;
   CUDA_OK(cudaGetDeviceProperties(&prop, 0));
@@ -517,6 +523,6 @@ int main(int argc, char** argv) {
     }
     std::printf("\n%d/%d cases passed\n", total - failures, total);
   }
-  if (perf) Perf();
+  if (perf) Perf(only_shape);
   return failures == 0 ? 0 : 1;
 }

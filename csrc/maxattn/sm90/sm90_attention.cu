@@ -12,6 +12,7 @@
 
 #include <cutlass/numeric_types.h>
 
+#include "maxattn/float_max.cuh"
 #include "maxattn/sm90/kernel_config.h"
 #include "maxattn/sm90/launch.h"
 
@@ -120,9 +121,10 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
   args.window_left = ClampWindow(options.window_left, T + S);
   args.window_right = ClampWindow(options.window_right, T + S);
   if (outputs.max_logit != nullptr) {
-    // 0xffffffff: below every float in the kernel's atomic ordering (see epilogue.h).
-    MAXATTN_RETURN_IF_ERROR(Cuda(cudaMemsetAsync(outputs.max_logit, 0xff, static_cast<size_t>(B * N) * 4, stream),
-                                 "cudaMemsetAsync(max_logit)"));
+    // Below every float in the kernel's atomic ordering (float_max.cuh).
+    MAXATTN_RETURN_IF_ERROR(
+        Cuda(cudaMemsetAsync(outputs.max_logit, kAtomicMaxEmptyByte, static_cast<size_t>(B * N) * 4, stream),
+             "cudaMemsetAsync(max_logit)"));
   }
   return Dispatch(shape, args, inputs, stream);
 }
@@ -158,9 +160,7 @@ std::optional<std::string> Sm90UnsupportedReason(const AttentionShape& shape, co
   if (shape.q_len > kMaxLen || shape.kv_len > kMaxLen) {
     return std::string("sm90 backend: q_len and kv_len must be at most 2^30");
   }
-  if ((shape.q_len + 127) / 128 > kMaxGridYZ) {
-    return std::string("sm90 backend: q_len must be at most 65535 * 128");
-  }
+  if (shape.num_q_heads > kMaxGridYZ) return std::string("sm90 backend: num_q_heads must be at most 65535");
   if (shape.batch > kMaxGridYZ) return std::string("sm90 backend: batch must be at most 65535");
   if ((shape.q_len + 127) / 128 * shape.num_q_heads * shape.batch > INT32_MAX) {
     return std::string("sm90 backend: ceil(q_len / 128) * num_q_heads * batch must fit in int32");

@@ -1,11 +1,14 @@
 // maxattn sm90: which (query block, head, batch) tile a CTA works on.
 //
-// One CTA per tile (not yet persistent). The grid is (N, B, m_blocks) and the
-// hardware dispatches blockIdx.x fastest, so every head of a batch row is
-// started before the next query block: the heads that share one KV head (GQA)
-// run side by side and share K/V in L2. For causal masks the query blocks are
-// handed out in decreasing order, so the longest tiles (most key blocks) start
-// first and the short ones fill the tail of the last wave.
+// One CTA per tile (not yet persistent). The grid is (m_blocks, N, B) and the
+// hardware dispatches blockIdx.x fastest, so all query blocks of one head run
+// side by side: each key/value block is read from DRAM once and served from L2
+// to the other query blocks (and, with GQA, to the heads of the same KV head,
+// which come next). Ordering the heads fastest instead put B * N different
+// K/V working sets in one wave: at (4,2048,32,32,128) that is 128 MiB, more
+// than L2, and the kernel ran DRAM-bound (77% of peak, L2 hit rate 5%, ncu on
+// the H200). For causal masks the query blocks of a head are handed out in
+// decreasing order, so the longest tiles (most key blocks) start first.
 #ifndef MAXATTN_SM90_TILE_SCHEDULER_H_
 #define MAXATTN_SM90_TILE_SCHEDULER_H_
 
@@ -24,37 +27,36 @@ struct Tile {
 
 struct StaticLongestFirstScheduler {
   static dim3 Grid(const FwdArgs& args) {
-    return dim3(static_cast<unsigned>(args.heads), static_cast<unsigned>(args.batch),
-                static_cast<unsigned>(args.num_m_blocks));
+    return dim3(static_cast<unsigned>(args.num_m_blocks), static_cast<unsigned>(args.heads),
+                static_cast<unsigned>(args.batch));
   }
 
   __device__ static Tile Get(const FwdArgs& args) {
     Tile t;
-    const int z = static_cast<int>(blockIdx.z);
-    t.m_block = args.causal ? args.num_m_blocks - 1 - z : z;
-    t.head = static_cast<int>(blockIdx.x);
+    const int x = static_cast<int>(blockIdx.x);
+    t.m_block = args.causal ? args.num_m_blocks - 1 - x : x;
+    t.head = static_cast<int>(blockIdx.y);
     t.kv_head = t.head / args.group;
-    t.batch = static_cast<int>(blockIdx.y);
+    t.batch = static_cast<int>(blockIdx.z);
     return t;
   }
 };
 
 // Persistent: at most one CTA per SM, each walking tiles blockIdx.x,
 // blockIdx.x + gridDim.x, ... of one sequence ordered like the static grid
-// (query block outermost, longest first for causal; then batch; head fastest).
+// (query block fastest, longest first for causal; then head; batch outermost).
 struct PersistentLongestFirstScheduler {
   static dim3 Grid(const FwdArgs& args, int num_sms) {
     return dim3(static_cast<unsigned>(args.num_tiles < num_sms ? args.num_tiles : num_sms));
   }
 
   __device__ static Tile Get(const FwdArgs& args, int index) {
-    const int per_block = args.heads * args.batch;
-    const int z = index / per_block;
-    const int rest = index - z * per_block;
+    const int m = index % args.num_m_blocks;
+    const int head_batch = index / args.num_m_blocks;
     Tile t;
-    t.m_block = args.causal ? args.num_m_blocks - 1 - z : z;
-    t.batch = rest / args.heads;
-    t.head = rest - t.batch * args.heads;
+    t.m_block = args.causal ? args.num_m_blocks - 1 - m : m;
+    t.head = head_batch % args.heads;
+    t.batch = head_batch / args.heads;
     t.kv_head = t.head / args.group;
     return t;
   }
