@@ -1,14 +1,13 @@
-// maxattn sm90: normalises O and writes out, lse and this CTA's max_logit.
+// maxattn sm90: normalises O and writes out, lse and this tile's max_logit.
 //
 // Per row: sum == 0 (nothing visible) or a padded row (i >= q_valid) gives
 // out 0 and lse -inf; a NaN sum (a NaN logit was visible) gives NaN for out,
 // lse and the row's max logit. The raw row maxima times the scale are the
-// row's max logits (scale > 0, so max(scale*s) == scale*max(s) in fp32); the
-// CTA reduces them by shuffles and shared memory and issues ONE atomic max
-// per CTA into max_logit[b, n].
-//
-// The atomic max and its sentinel are float_max.cuh's. Every CTA of a (b, n)
-// issues its atomic, also when it sees nothing.
+// row's max logits (scale > 0, so max(scale*s) == scale*max(s) in fp32); each
+// warp reduces its rows by shuffles and issues one atomic max into
+// max_logit[b, n] (float_max.cuh), also when it sees nothing, before it
+// stores out: no barrier between the consumer warpgroups, and the atomic's
+// round trip overlaps the stores.
 #ifndef MAXATTN_SM90_EPILOGUE_H_
 #define MAXATTN_SM90_EPILOGUE_H_
 
@@ -25,8 +24,8 @@ namespace maxattn::sm90 {
 using ::maxattn::AtomicMaxFloat;
 using ::maxattn::NanMax;
 
-// Named barriers among the consumer warpgroups: 1 for the epilogue's
-// max_logit reduction, 2 and 3 for the ping-pong turns (mainloop_consumer.h).
+// Named barriers among the consumer warpgroups: 2 and 3 for the ping-pong
+// turns (mainloop_consumer.h).
 __device__ __forceinline__ void NamedBarrierSync(int id, int num_threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
@@ -43,25 +42,38 @@ struct Epilogue {
   // each of its elements in the tile. softmax: finalised row statistics.
   template <class Softmax, class TensorO, class TensorC>
   __device__ static void Store(const FwdArgs& args, const Tile& tile, const BlockMask& mask,
-                               const Softmax& softmax, TensorO& o, const TensorC& oc,
-                               float* warp_max, int consumer_tid) {
+                               const Softmax& softmax, TensorO& o, const TensorC& oc, int consumer_tid) {
     using namespace cute;
     const int m0 = tile.m_block * Config::kBlockM;
     const int lane = consumer_tid % 32;
-    float thread_max = -INFINITY;
+    // max_logit first: the atomic's round trip then overlaps the stores below
+    // instead of holding the CTA at its end.
+    if (args.max_logit != nullptr) {
+      float thread_max = -INFINITY;
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(o); ++r) {
+        if (m0 + get<0>(oc(r, 0)) >= mask.q_valid) continue;
+        const float sum = softmax.row_sum[r];
+        float row_logit = softmax.row_max[r] * args.scale;
+        if (sum != sum && softmax.row_max[r] != INFINITY) row_logit = __int_as_float(0x7fffffff);
+        thread_max = NanMax(thread_max, row_logit);
+      }
+      CUTE_UNROLL
+      for (int offset = 16; offset > 0; offset /= 2) {
+        thread_max = NanMax(thread_max, __shfl_xor_sync(0xffffffffu, thread_max, offset));
+      }
+      if (lane == 0) {
+        AtomicMaxFloat(args.max_logit + static_cast<int64_t>(tile.batch) * args.heads + tile.head, thread_max);
+      }
+    }
     Element* out = static_cast<Element*>(args.out);
     CUTE_UNROLL
     for (int r = 0; r < size<0>(o); ++r) {
       const int i = m0 + get<0>(oc(r, 0));
-      const float sum = softmax.row_sum[r];
-      const bool valid = i < mask.q_valid;
-      const bool empty = !valid || sum == 0.0f;
-      const bool has_nan = sum != sum;
-      const float inv = empty ? 0.0f : 1.0f / sum;  // NaN stays NaN
-      float row_logit = softmax.row_max[r] * args.scale;
-      if (has_nan && softmax.row_max[r] != INFINITY) row_logit = __int_as_float(0x7fffffff);
-      if (valid) thread_max = NanMax(thread_max, row_logit);
       if (i >= args.q_len) continue;
+      const float sum = softmax.row_sum[r];
+      const bool empty = i >= mask.q_valid || sum == 0.0f;
+      const float inv = empty ? 0.0f : 1.0f / sum;  // NaN stays NaN
       if (args.lse != nullptr && (lane % 4) == 0) {
         const float lse = empty ? -INFINITY : softmax.row_max[r] * args.scale + logf(sum);
         args.lse[(static_cast<int64_t>(tile.batch) * args.heads + tile.head) * args.q_len + i] = lse;
@@ -77,19 +89,6 @@ struct Epilogue {
         const int col = get<1>(oc(r, c));
         *reinterpret_cast<cutlass::Array<Element, 2>*>(row + col) = convert(pair);
       }
-    }
-    if (args.max_logit == nullptr) return;
-    CUTE_UNROLL
-    for (int offset = 16; offset > 0; offset /= 2) {
-      thread_max = NanMax(thread_max, __shfl_xor_sync(0xffffffffu, thread_max, offset));
-    }
-    if (lane == 0) warp_max[consumer_tid / 32] = thread_max;
-    NamedBarrierSync(1, Config::kConsumerThreads);
-    if (consumer_tid == 0) {
-      float m = warp_max[0];
-      CUTE_UNROLL
-      for (int w = 1; w < Config::kConsumerThreads / 32; ++w) m = NanMax(m, warp_max[w]);
-      AtomicMaxFloat(args.max_logit + static_cast<int64_t>(tile.batch) * args.heads + tile.head, m);
     }
   }
 };

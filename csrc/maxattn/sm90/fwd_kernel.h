@@ -78,15 +78,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
   } else {
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
     typename Config::PipelineState state_k, state_v;
-    int parity = 0;
-    for (int index = first; index < end; index += stride, parity ^= 1) {
+    for (int index = first; index < end; index += stride) {
       const Tile tile = tile_at(index);
       const BlockMask mask = BlockMask::Make(p.args, tile.batch);
       int n_lo = 0, n_hi = 0;
       mask.template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, &n_lo, &n_hi);
       ConsumerMainloop<Config>::template Run<Config::kVariant == kPersistent ? kOverlap : Config::kVariant>(
           p.args, smem, pipe_k, pipe_v, tile, mask, n_lo, n_hi, static_cast<int>(threadIdx.x) - 128, state_k,
-          state_v, q_loads & 1, smem.warp_max[parity]);
+          state_v, q_loads & 1);
       if (n_lo < n_hi) ++q_loads;
     }
   }

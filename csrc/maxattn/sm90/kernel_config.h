@@ -87,7 +87,6 @@ struct FwdConfig {
     alignas(16) typename Pipeline::SharedStorage pipe_v;
     alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_q;
     alignas(8) cutlass::arch::ClusterBarrier barrier_q_empty;
-    float warp_max[2][kConsumerThreads / 32];  // by tile parity
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");

@@ -60,10 +60,9 @@ struct ConsumerMainloop {
   // state_k / state_v: the consumer read positions in the K and V pipelines,
   // carried from tile to tile by a persistent CTA. q_phase: parity of the Q
   // barrier for this tile (the count of earlier tiles that loaded Q).
-  // warp_max: this tile's slot of the epilogue's shared reduction buffer.
   __device__ static void Run(const FwdArgs& args, SharedStorage& smem, Pipeline& pipe_k, Pipeline& pipe_v,
                              const Tile& tile, const BlockMask& mask, int n_lo, int n_hi, int consumer_tid,
-                             PipelineState& state_k, PipelineState& state_v, int q_phase, float* warp_max) {
+                             PipelineState& state_k, PipelineState& state_v, int q_phase) {
     using namespace cute;
     using BlockM = typename Config::BlockM;
     using BlockN = typename Config::BlockN;
@@ -189,7 +188,7 @@ struct ConsumerMainloop {
       smem.barrier_q_empty.arrive();
     }
     softmax.Finalize();
-    Epilogue<Config>::Store(args, tile, mask, softmax, o_rc, oc_rc, warp_max, consumer_tid);
+    Epilogue<Config>::Store(args, tile, mask, softmax, o_rc, oc_rc, consumer_tid);
   }
 };
 

@@ -1,8 +1,8 @@
 // maxattn sm90: our own Hopper (sm_90a) attention forward.
 //
 // Warp-specialised TMA + WGMMA kernel (csrc/maxattn/sm90/) with max_logit
-// reduced inside the kernel: one atomic max per (batch, head) per CTA into
-// outputs.max_logit [B, N], which the launcher initialises on the stream.
+// reduced inside the kernel: one atomic max per (batch, head) per consumer warp
+// into outputs.max_logit [B, N], which the launcher initialises on the stream.
 // Semantics are exactly those of attention.h; the calls it cannot run are
 // named by Sm90UnsupportedReason.
 #ifndef MAXATTN_SM90_SM90_ATTENTION_H_
