@@ -2,7 +2,8 @@
 # GPU check on the device machine: build the package with the cuDNN module
 # into build/gpu_site (reused by later calls while the machine stays up), run
 # the GPU tests, the benchmark and compute-sanitizer memcheck on a small
-# subset. Logs go to $OUT (default ./gpu_out).
+# subset. Logs go to $OUT (default ./gpu_out); on exit everything but its top-level .log files
+# is packed into $OUT/artifacts.tar.gz (the device tool returns at most 8 files).
 #
 #   tools/gpu_check.sh                       # everything
 #   STAGES="build test" tools/gpu_check.sh   # then STAGES="bench memcheck" in a second call
@@ -25,6 +26,17 @@
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
+# The device tool brings back at most 8 files from $OUT: on exit, keep the .log files of its top
+# folder (at most six) and pack everything else (test.xml, the JSON reports, wheel/) into
+# $OUT/artifacts.tar.gz.
+# shellcheck disable=SC2317  # invoked by the EXIT trap
+pack_out() {
+  local extra
+  extra=$(cd "$OUT" && find . -type f ! -name artifacts.tar.gz ! \( -regex '\./[^/]*\.log' \) | sed 's|^\./||')
+  [ -n "$extra" ] || return 0
+  (cd "$OUT" && tar czf artifacts.tar.gz $extra && rm -f $extra && find . -mindepth 1 -type d -empty -delete)
+}
+trap pack_out EXIT
 STAGES=${STAGES:-"build test memcheck kernels bench"}
 PY=${PYTHON:-python3}
 SITE=$PWD/build/gpu_site
