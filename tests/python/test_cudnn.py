@@ -229,7 +229,7 @@ def test_sm90_names_what_it_cannot_run(kwargs, needle):
 
 
 def test_sm90_max_logit_with_odd_lengths():
-    """max_logit from the sm90 kernel's per-CTA atomics at T = 300 (not a tile multiple), next to cuDNN's."""
+    """max_logit from the sm90 kernel's per-warp atomics at T = 300 (not a tile multiple), next to cuDNN's."""
     B, T, N, K, H = 2, 300, 4, 2, 128
     q, k, v = random_inputs(12, B, T, T, N, K, H, H, jnp.bfloat16)
     a = maxattn.dot_product_attention(q, k, v, is_causal=True, implementation="sm90", return_max_logit=True)[1]

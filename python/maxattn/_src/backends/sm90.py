@@ -1,7 +1,7 @@
 """The "sm90" backend: our own Hopper (sm_90a) forward kernel (csrc/maxattn/sm90/).
 
 Warp-specialised TMA + WGMMA flash attention with max_logit reduced inside the
-kernel (one atomic max per CTA). It lives in the CUDA extension module next to
+kernel (one atomic max per warp). It lives in the CUDA extension module next to
 the cuDNN targets (built when the CUTLASS headers are found at build time). Its
 backward is cuDNN's for now, fed with this forward's residuals (the lse in the
 contract's natural-log [B, N, T] form), so a call must suit both: the reason
