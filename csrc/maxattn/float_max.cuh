@@ -4,15 +4,13 @@
 // The atomic orders floats through their bit patterns: non-negative values
 // by signed-int atomicMax, negative ones by unsigned atomicMin. NaN is stored
 // as 0x7fffffff, the largest signed int, so it wins against every value and
-// stays. The buffer must first hold kAtomicMaxEmpty (fill its bytes with
-// 0xff): -1 as an int (below every non-negative float) and the largest
+// stays. The buffer must first have every byte set to kAtomicMaxEmptyByte
+// (0xff): -1 as an int (below every non-negative float) and the largest
 // unsigned (above every negative float), so the first value, -inf included,
 // always replaces it. Every block that owns a slot must issue its atomic
 // (-inf when it saw nothing), so the sentinel never survives a launch.
 #ifndef MAXATTN_FLOAT_MAX_CUH_
 #define MAXATTN_FLOAT_MAX_CUH_
-
-#include <cstdint>
 
 namespace maxattn {
 

@@ -55,6 +55,19 @@ __device__ __forceinline__ ThreadIds LoadThreadIds(const IdRow& row, int32_t til
   return x;
 }
 
+// Calls f(t, id) for each token t < row.len this thread holds, tile by tile.
+template <class F>
+__device__ __forceinline__ void ForEachToken(const IdRow& row, F&& f) {
+  for (int32_t tile = 0; tile < row.len; tile += kTile) {
+    const ThreadIds x = LoadThreadIds(row, tile);
+#pragma unroll
+    for (int k = 0; k < kTokensPerThread; ++k) {
+      if (x.t0 + k >= row.len) break;
+      f(x.t0 + k, x.id[k]);
+    }
+  }
+}
+
 __device__ __forceinline__ int32_t CountStarts(const ThreadIds& x) {
   int32_t starts = 0, prev = x.before;
 #pragma unroll
@@ -184,42 +197,28 @@ __global__ void __launch_bounds__(kThreads) RaggedLayoutKernel(RaggedProblem p, 
 
   // Query rows: does the query see a key of its own run (the band, relative to
   // the run's start, cut to the key run's length)?
-  for (int32_t tile = 0; tile < T; tile += kTile) {
-    const ThreadIds x = LoadThreadIds(q_row, tile);
-#pragma unroll
-    for (int k = 0; k < kTokensPerThread; ++k) {
-      const int32_t t = x.t0 + k;
-      if (t >= T) break;
-      uint8_t code = kRowPoisoned;
-      if (ok) {
-        code = kRowEmpty;
-        if (x.id[k] != 0) {
-          int32_t lo_m = 0, hi_m = live - 1;  // the last run starting at or before t
-          while (lo_m < hi_m) {
-            const int32_t mid = (lo_m + hi_m + 1) / 2;
-            if (q_runs.start[mid] <= t) lo_m = mid;
-            else hi_m = mid - 1;
-          }
-          const int64_t i = t - q_runs.start[lo_m];
-          int64_t lo = 0, hi = kv_runs.end[lo_m] - kv_runs.start[lo_m] - 1;
-          if (p.rows.causal && i < hi) hi = i;
-          if (p.rows.window_right >= 0 && i + p.rows.window_right < hi) hi = i + p.rows.window_right;
-          if (p.rows.window_left >= 0 && i - p.rows.window_left > lo) lo = i - p.rows.window_left;
-          code = lo <= hi ? kRowVisible : kRowEmpty;
+  ForEachToken(q_row, [&](int32_t t, int32_t id) {
+    uint8_t code = kRowPoisoned;
+    if (ok) {
+      code = kRowEmpty;
+      if (id != 0) {
+        int32_t lo_m = 0, hi_m = live - 1;  // the last run starting at or before t
+        while (lo_m < hi_m) {
+          const int32_t mid = (lo_m + hi_m + 1) / 2;
+          if (q_runs.start[mid] <= t) lo_m = mid;
+          else hi_m = mid - 1;
         }
+        const int64_t i = t - q_runs.start[lo_m];
+        int64_t lo = 0, hi = kv_runs.end[lo_m] - kv_runs.start[lo_m] - 1;
+        if (p.rows.causal && i < hi) hi = i;
+        if (p.rows.window_right >= 0 && i + p.rows.window_right < hi) hi = i + p.rows.window_right;
+        if (p.rows.window_left >= 0 && i - p.rows.window_left > lo) lo = i - p.rows.window_left;
+        code = lo <= hi ? kRowVisible : kRowEmpty;
       }
-      out.q_rows[static_cast<int64_t>(b) * T + t] = code;
     }
-  }
-  for (int32_t tile = 0; tile < S; tile += kTile) {
-    const ThreadIds x = LoadThreadIds(kv_row, tile);
-#pragma unroll
-    for (int k = 0; k < kTokensPerThread; ++k) {
-      const int32_t t = x.t0 + k;
-      if (t >= S) break;
-      out.kv_rows[static_cast<int64_t>(b) * S + t] = ok && x.id[k] != 0;
-    }
-  }
+    out.q_rows[static_cast<int64_t>(b) * T + t] = code;
+  });
+  ForEachToken(kv_row, [&](int32_t t, int32_t id) { out.kv_rows[static_cast<int64_t>(b) * S + t] = ok && id != 0; });
 }
 
 __global__ void ZeroRowsExceptKernel(uint16_t* data, int64_t rows, int64_t row_elems, const uint8_t* code,

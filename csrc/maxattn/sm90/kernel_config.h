@@ -109,7 +109,7 @@ struct FwdConfig {
 struct FwdArgs {
   void* out = nullptr;          // [B, T, N, H]
   float* lse = nullptr;         // [B, N, T] or null
-  float* max_logit = nullptr;   // [B, N] or null; pre-filled with 0xffffffff
+  float* max_logit = nullptr;   // [B, N] or null; pre-filled with float_max.cuh's sentinel
   const int32_t* q_lens = nullptr;
   const int32_t* kv_lens = nullptr;
   int batch = 0, q_len = 0, kv_len = 0, heads = 0, kv_heads = 0, group = 1;
