@@ -67,6 +67,8 @@ struct Case {
   std::vector<int> q_lens, kv_lens;  // empty: none
   bool spike = false;                // one large logit in the last batch row
   bool nan = false;                  // one NaN in a query row of batch 0, head N-1
+  float softcap = 0.0f;              // > 0: logit soft cap
+  float q_gain = 1.0f;               // q drawn from [-q_gain, q_gain] (large logits for the soft cap)
 };
 
 uint16_t ToBits(float x, DType t) {
@@ -132,16 +134,23 @@ Reference ComputeReference(const Case& c, const std::vector<float>& q, const std
     bool head_nan = false;
     for (int i = 0; i < T; ++i) {
       const float* qi = &q[((static_cast<size_t>(b) * T + i) * N + n) * H];
-      double m = -kInf;
+      double m = -kInf, lm = -kInf;  // max of the raw logits (max_logit) and of the capped ones
       bool any = false, row_nan = false;
+      std::vector<double> l(S);
       for (int j = 0; j < S; ++j) {
         if (!vis(i, j)) continue;
         const float* kj = &k[((static_cast<size_t>(b) * S + j) * K + kh) * H];
         double dot = 0;
         for (int h = 0; h < H; ++h) dot += static_cast<double>(qi[h]) * kj[h];
         s[j] = scale * dot;
+        l[j] = c.softcap > 0 ? c.softcap * std::tanh(s[j] / c.softcap) : s[j];
         any = true;
-        if (std::isnan(s[j])) row_nan = true; else m = std::max(m, s[j]);
+        if (std::isnan(s[j])) {
+          row_nan = true;
+        } else {
+          m = std::max(m, s[j]);
+          lm = std::max(lm, l[j]);
+        }
       }
       if (!any) continue;
       if (row_nan) head_nan = true; else head_max = std::max(head_max, m);
@@ -149,14 +158,14 @@ Reference ComputeReference(const Case& c, const std::vector<float>& q, const std
       std::vector<double> acc(H, 0.0);
       for (int j = 0; j < S; ++j) {
         if (!vis(i, j)) continue;
-        const double p = row_nan ? std::nan("") : std::exp(s[j] - m);
+        const double p = row_nan ? std::nan("") : std::exp(l[j] - lm);
         sum += p;
         const float* vj = &v[((static_cast<size_t>(b) * S + j) * K + kh) * H];
         for (int h = 0; h < H; ++h) acc[h] += p * vj[h];
       }
       double* o = &r.out[((static_cast<size_t>(b) * T + i) * N + n) * H];
       for (int h = 0; h < H; ++h) o[h] = acc[h] / sum;
-      r.lse[(static_cast<size_t>(b) * N + n) * T + i] = m + std::log(sum);
+      r.lse[(static_cast<size_t>(b) * N + n) * T + i] = lm + std::log(sum);
     }
     r.max_logit[static_cast<size_t>(b) * N + n] = head_nan ? std::nan("") : head_max;
   };
@@ -203,6 +212,12 @@ bool RunCase(const Case& c, uint64_t seed) {
     }
   };
   draw(hq, fq);
+  if (c.q_gain != 1.0f) {
+    for (size_t i = 0; i < hq.size(); ++i) {
+      hq[i] = ToBits(fq[i] * c.q_gain, c.dtype);
+      fq[i] = FromBits(hq[i], c.dtype);
+    }
+  }
   draw(hk, fk);
   draw(hv, fv);
   const int G = N / K;
@@ -251,6 +266,7 @@ bool RunCase(const Case& c, uint64_t seed) {
   opt.alignment = c.bottom_right ? CausalAlignment::kBottomRight : CausalAlignment::kTopLeft;
   opt.window_left = c.wl;
   opt.window_right = c.wr;
+  opt.softcap = c.softcap;
   AttentionInputs in;
   in.dtype = c.dtype; in.q = dq.ptr; in.k = dk.ptr; in.v = dv.ptr;
   in.q_seq_lengths = c.q_lens.empty() ? nullptr : dql.ptr;
@@ -406,6 +422,40 @@ std::vector<Case> AllCases() {
   {
     Case c{"h128 nan in a query row", 2, 256, 256, 2, 2, 128, bf, true};
     c.nan = true;
+    add(c);
+  }
+  // Soft cap: q scaled up so that raw logits reach ~+-60 and the cap (30 or 50) bends them;
+  // with causal, window, padding, GQA, a NaN row and each head dim.
+  for (int H : {64, 128, 256}) {
+    Case c{"h" + std::to_string(H) + " softcap 30 causal", 2, 300, 300, 4, 2, H, bf, true};
+    c.softcap = 30.0f;
+    c.q_gain = 24.0f;
+    add(c);
+  }
+  {
+    Case c{"h128 softcap 50 dense fp16", 2, 256, 333, 2, 2, 128, DType::kFloat16};
+    c.softcap = 50.0f;
+    c.q_gain = 16.0f;
+    add(c);
+  }
+  {
+    Case c{"h128 softcap window padding", 2, 260, 270, 2, 1, 128, bf, true, true, 64, 0};
+    c.softcap = 30.0f;
+    c.q_gain = 24.0f;
+    c.q_lens = {129, 260};
+    c.kv_lens = {270, 100};
+    add(c);
+  }
+  {
+    Case c{"h128 softcap nan row", 2, 256, 256, 2, 2, 128, bf, true};
+    c.softcap = 30.0f;
+    c.nan = true;
+    add(c);
+  }
+  {
+    Case c{"h128 softcap spike", 2, 256, 256, 4, 4, 128, bf, true};
+    c.softcap = 20.0f;
+    c.spike = true;
     add(c);
   }
   add({"h128 T=1 decode S=1000", 3, 1, 1000, 4, 2, 128, bf});

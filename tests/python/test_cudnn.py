@@ -216,7 +216,7 @@ def test_auto_uses_cudnn_on_gpu_and_falls_back_with_warning():
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"logits_soft_cap": 30.0}, "logits_soft_cap is not supported yet"),
+    ({"softmax_type": "off_by_one"}, "attention sinks are not supported yet"),
     ({"bias": True}, "bias is not supported"),
 ])
 def test_sm90_names_what_it_cannot_run(kwargs, needle):
@@ -226,6 +226,39 @@ def test_sm90_names_what_it_cannot_run(kwargs, needle):
         maxattn.dot_product_attention(q, k, v, bias, implementation="sm90", **kwargs)
     # Auto mode keeps cuDNN (the sm90 forward is not yet the faster one).
     assert maxattn.dot_product_attention(q, k, v).dtype == q.dtype
+
+
+# Soft-capped calls on sm90: the kernel's tanh softmax forward, the reference backward (cuDNN has
+# no soft cap). q is scaled up so that the raw logits (std ~4, max ~15) are bent by the cap of 10.
+SOFTCAP_CASES = {
+    "h64_causal_gqa": (2, 256, 256, 4, 2, 64, jnp.bfloat16, {"is_causal": True}),
+    "h128_odd_padding_br": (2, 300, 333, 4, 4, 128, jnp.bfloat16,
+                            {"is_causal": True, "causal_alignment": "bottom_right",
+                             "query_seq_lengths": [300, 41], "key_value_seq_lengths": [333, 90]}),
+    "h128_window": (1, 257, 257, 2, 2, 128, jnp.float16, {"local_window_size": (40, 8)}),
+    "h256_dense": (1, 130, 200, 2, 1, 256, jnp.bfloat16, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(SOFTCAP_CASES))
+def test_sm90_soft_cap_matches_reference(name):
+    B, T, S, N, K, H, dtype, kwargs = SOFTCAP_CASES[name]
+    q, k, v = random_inputs(31, B, T, S, N, K, H, H, dtype)
+    q = (q.astype(jnp.float32) * 4).astype(dtype)
+    kwargs = {key: (jnp.asarray(val, jnp.int32) if "seq_lengths" in key else val) for key, val in kwargs.items()}
+    kwargs["logits_soft_cap"] = 10.0
+    _, ct_out, ct_lse = bias_and_cotangents(np.random.default_rng(5), B, T, S, N, H, None, dtype)
+    out, aux, grads = jax.jit(lambda *a: loss_and_grads(_attention("sm90"), *a, **kwargs))(q, k, v, None, ct_out,
+                                                                                        ct_lse)
+    r_out, r_aux, r_grads = reference64(q, k, v, None, ct_out, ct_lse, **kwargs)
+    tol = OUT_TOL[dtype]
+    assert_close(out, r_out, tol, "out")
+    assert_close(aux["lse"], r_aux["lse"], tol, "lse")
+    # max_logit is the pre-cap maximum: far above the cap here.
+    assert float(np.nanmax(np.asarray(r_aux["max_logit"]))) > 10.0
+    assert_max_logit_close(aux["max_logit"], r_aux["max_logit"], MAX_TOL[dtype])
+    for g, rg, what in zip(grads, r_grads, ("dq", "dk", "dv")):
+        assert_close(g, rg, tol, what)
 
 
 def test_sm90_max_logit_with_odd_lengths():

@@ -75,7 +75,7 @@ struct Epilogue {
       const bool empty = i >= mask.q_valid || sum == 0.0f;
       const float inv = empty ? 0.0f : 1.0f / sum;  // NaN stays NaN
       if (args.lse != nullptr && (lane % 4) == 0) {
-        const float lse = empty ? -INFINITY : softmax.row_max[r] * args.scale + logf(sum);
+        const float lse = empty ? -INFINITY : softmax.LogitOfMax(softmax.row_max[r]) + logf(sum);
         args.lse[(static_cast<int64_t>(tile.batch) * args.heads + tile.head) * args.q_len + i] = lse;
       }
       Element* row = out + ((static_cast<int64_t>(tile.batch) * args.q_len + i) * args.heads + tile.head) *

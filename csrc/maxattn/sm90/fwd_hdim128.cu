@@ -2,5 +2,5 @@
 // instances compile in parallel). H=128 uses the ping-pong consumer loop.
 #include "maxattn/sm90/fwd_kernel.h"
 
-MAXATTN_SM90_INSTANTIATE_FORWARD(128, cutlass::bfloat16_t, maxattn::sm90::kPingPong);
-MAXATTN_SM90_INSTANTIATE_FORWARD(128, cutlass::half_t, maxattn::sm90::kPingPong);
+MAXATTN_SM90_INSTANTIATE_FORWARD(128, cutlass::bfloat16_t, maxattn::sm90::kPingPong, false);
+MAXATTN_SM90_INSTANTIATE_FORWARD(128, cutlass::half_t, maxattn::sm90::kPingPong, false);

@@ -83,7 +83,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
       const BlockMask mask = BlockMask::Make(p.args, tile.batch);
       int n_lo = 0, n_hi = 0;
       mask.template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, &n_lo, &n_hi);
-      ConsumerMainloop<Config>::template Run<Config::kVariant == kPersistent ? kOverlap : Config::kVariant>(
+      ConsumerMainloop<Config>::template Run<Config::kVariant == kPersistent ? kOverlap : Config::kVariant,
+                                             Config::kSoftcap>(
           p.args, smem, pipe_k, pipe_v, tile, mask, n_lo, n_hi, static_cast<int>(threadIdx.x) - 128, state_k,
           state_v, q_loads & 1);
       if (n_lo < n_hi) ++q_loads;
@@ -98,10 +99,10 @@ inline Status CudaStatus(cudaError_t err, const char* what) {
                           cudaGetErrorString(err) + ")");
 }
 
-template <int kHeadDim, class Element, int kVariant>
+template <int kHeadDim, class Element, int kVariant, bool kSoftcap>
 Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const void* v, cudaStream_t stream) {
   using namespace cute;
-  using Config = FwdConfig<kHeadDim, Element, kVariant>;
+  using Config = FwdConfig<kHeadDim, Element, kVariant, kSoftcap>;
   auto gmem = [](const void* ptr, int len, int heads, int batch) {
     const int64_t row = static_cast<int64_t>(heads) * kHeadDim;
     return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
@@ -138,8 +139,8 @@ Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const vo
 
 }  // namespace maxattn::sm90
 
-#define MAXATTN_SM90_INSTANTIATE_FORWARD(H, ELEMENT, VARIANT)                                 \
-  template ::maxattn::Status maxattn::sm90::LaunchForward<H, ELEMENT, VARIANT>(                  \
+#define MAXATTN_SM90_INSTANTIATE_FORWARD(H, ELEMENT, VARIANT, SOFTCAP)                        \
+  template ::maxattn::Status maxattn::sm90::LaunchForward<H, ELEMENT, VARIANT, SOFTCAP>(         \
       const FwdArgs&, const void*, const void*, const void*, cudaStream_t)
 
 #endif  // MAXATTN_SM90_FWD_KERNEL_H_

@@ -1,8 +1,8 @@
 // maxattn sm90: compile-time configuration of one forward kernel instance.
 //
-// One instance per (head dim, element type). Everything else (causal,
-// alignment, window, padding lengths, lse / max_logit requested) is a run-time
-// argument, so the whole backend is six kernels.
+// One instance per (head dim, element type, soft cap or not). Everything else
+// (causal, alignment, window, padding lengths, lse / max_logit requested) is a
+// run-time argument, so the whole backend is twelve kernels.
 //
 // Threads: warpgroup 0 is the producer (one elected thread issues TMA loads);
 // warpgroups 1 and 2 are consumers, each owning 64 of the tile's 128 query
@@ -29,10 +29,14 @@ namespace maxattn::sm90 {
 // slower there, so they are not compiled (see NOTES.md).
 enum ConsumerVariant : int { kPlain = 0, kOverlap = 1, kPingPong = 2, kPersistent = 3 };
 
-template <int kHeadDim_, class Element_, int kVariant_ = kOverlap>
+// kSoftcap_: the logit soft cap's softmax (softmax.h). Its own instance, so
+// that the plain kernel keeps its registers (one kernel with both loops
+// spilled at H=128).
+template <int kHeadDim_, class Element_, int kVariant_ = kOverlap, bool kSoftcap_ = false>
 struct FwdConfig {
   using Element = Element_;
   static constexpr int kVariant = kVariant_;
+  static constexpr bool kSoftcap = kSoftcap_;
   static constexpr bool kPersistentGrid = kVariant == kPersistent;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
@@ -117,6 +121,9 @@ struct FwdArgs {
   int num_tiles = 0;         // num_m_blocks * heads * batch
   float scale = 1.0f;        // > 0
   float scale_log2 = 1.0f;   // scale * log2(e)
+  float softcap = 0.0f;      // > 0: logits are softcap * tanh(s / softcap) (softmax.h)
+  float softcap_in = 0.0f;   // scale / softcap
+  float softcap_log2 = 0.0f; // softcap * log2(e)
   bool causal = false;
   bool bottom_right = false;
   int window_left = -1;      // < 0: unbounded (clamped on the host to T + S)

@@ -10,7 +10,7 @@
 
 namespace maxattn::sm90 {
 
-template <int kHeadDim, class Element, int kVariant>
+template <int kHeadDim, class Element, int kVariant, bool kSoftcap>
 Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const void* v, cudaStream_t stream);
 
 }  // namespace maxattn::sm90

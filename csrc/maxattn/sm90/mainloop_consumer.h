@@ -56,7 +56,7 @@ struct ConsumerMainloop {
   using Pipeline = typename Config::Pipeline;
   using PipelineState = typename Config::PipelineState;
 
-  template <int kVariant>
+  template <int kVariant, bool kSoftcap>
   // state_k / state_v: the consumer read positions in the K and V pipelines,
   // carried from tile to tile by a persistent CTA. q_phase: parity of the Q
   // barrier for this tile (the count of earlier tiles that loaded Q).
@@ -94,7 +94,8 @@ struct ConsumerMainloop {
     Tensor oc_rc = make_tensor(tOcO.data(), RowColLayout(tOcO.layout()));
 
     constexpr int kRows = decltype(size<0>(s_rc))::value;
-    OnlineSoftmax<kRows> softmax(args.scale_log2);
+    const SoftmaxScales scales{args.scale, args.scale_log2, args.softcap, args.softcap_in, args.softcap_log2};
+    OnlineSoftmax<kRows, kSoftcap> softmax(scales);
     clear(tOrO);
 
     const int m0 = tile.m_block * kBlockM;

@@ -49,24 +49,31 @@ int ClampWindow(int64_t w, int64_t limit) {
   return static_cast<int>(w < limit ? w : limit);
 }
 
-Status Dispatch(const AttentionShape& shape, const sm90::FwdArgs& args, const AttentionInputs& inputs,
-                cudaStream_t stream) {
+template <bool kSoftcap>
+Status DispatchHeadDim(const AttentionShape& shape, const sm90::FwdArgs& args, const AttentionInputs& inputs,
+                       cudaStream_t stream) {
   using sm90::LaunchForward;
   const bool bf16 = inputs.dtype == DType::kBFloat16;
   const void *q = inputs.q, *k = inputs.k, *v = inputs.v;
   switch (shape.head_dim) {
     case 64:
-      return bf16 ? LaunchForward<64, cutlass::bfloat16_t, sm90::kOverlap>(args, q, k, v, stream)
-                  : LaunchForward<64, cutlass::half_t, sm90::kOverlap>(args, q, k, v, stream);
+      return bf16 ? LaunchForward<64, cutlass::bfloat16_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream)
+                  : LaunchForward<64, cutlass::half_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream);
     case 128:  // ping-pong: fastest H=128 loop on the H200 (NOTES.md)
-      return bf16 ? LaunchForward<128, cutlass::bfloat16_t, sm90::kPingPong>(args, q, k, v, stream)
-                  : LaunchForward<128, cutlass::half_t, sm90::kPingPong>(args, q, k, v, stream);
+      return bf16 ? LaunchForward<128, cutlass::bfloat16_t, sm90::kPingPong, kSoftcap>(args, q, k, v, stream)
+                  : LaunchForward<128, cutlass::half_t, sm90::kPingPong, kSoftcap>(args, q, k, v, stream);
     case 256:
-      return bf16 ? LaunchForward<256, cutlass::bfloat16_t, sm90::kOverlap>(args, q, k, v, stream)
-                  : LaunchForward<256, cutlass::half_t, sm90::kOverlap>(args, q, k, v, stream);
+      return bf16 ? LaunchForward<256, cutlass::bfloat16_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream)
+                  : LaunchForward<256, cutlass::half_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream);
     default:
       return Status::Internal("sm90 attention: no kernel for head_dim " + std::to_string(shape.head_dim));
   }
+}
+
+Status Dispatch(const AttentionShape& shape, const sm90::FwdArgs& args, const AttentionInputs& inputs,
+                cudaStream_t stream) {
+  return args.softcap > 0.0f ? DispatchHeadDim<true>(shape, args, inputs, stream)
+                             : DispatchHeadDim<false>(shape, args, inputs, stream);
 }
 
 Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs,
@@ -116,6 +123,11 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
   args.num_tiles = static_cast<int>(args.num_m_blocks * N * B);
   args.scale = options.scale;
   args.scale_log2 = static_cast<float>(static_cast<double>(options.scale) * 1.4426950408889634);
+  if (options.softcap > 0.0f) {
+    args.softcap = options.softcap;
+    args.softcap_in = static_cast<float>(static_cast<double>(options.scale) / options.softcap);
+    args.softcap_log2 = static_cast<float>(static_cast<double>(options.softcap) * 1.4426950408889634);
+  }
   args.causal = options.causal;
   args.bottom_right = options.alignment == CausalAlignment::kBottomRight;
   args.window_left = ClampWindow(options.window_left, T + S);
@@ -150,7 +162,6 @@ std::optional<std::string> Sm90UnsupportedReason(const AttentionShape& shape, co
   }
   if (inputs.sink_logits != nullptr) return std::string("sm90 backend: attention sinks are not supported yet");
   if (options.dropout_rate > 0.0f) return std::string("sm90 backend: dropout is not supported");
-  if (options.softcap > 0.0f) return std::string("sm90 backend: logits_soft_cap is not supported yet");
   if (!(options.scale > 0.0f) || !std::isfinite(options.scale)) {
     return std::string("sm90 backend: scale must be positive and finite");
   }

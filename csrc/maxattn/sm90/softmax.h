@@ -9,6 +9,13 @@
 // exponent offset, so masked entries (-inf) give 0, never NaN. fmaxf drops a
 // NaN logit from the max, but the NaN reaches the row sum through exp2, and
 // the epilogue reads it there.
+//
+// With a logit soft cap (kSoftcap) the logit of raw q.k = x is
+// cap * tanh(x * scale / cap); tanh is increasing, so the capped row maximum is
+// the cap of the raw one and the running maximum stays raw (max_logit is
+// pre-cap). Each entry costs one more MUFU (tanh.approx) and a select that
+// keeps masked entries (-inf, whose tanh is -1) at probability 0. The
+// epilogue's lse adds back exactly the offset used here (LogitOfMax).
 #ifndef MAXATTN_SM90_SOFTMAX_H_
 #define MAXATTN_SM90_SOFTMAX_H_
 
@@ -19,6 +26,12 @@ namespace maxattn::sm90 {
 __device__ __forceinline__ float Exp2Approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float TanhApprox(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
@@ -42,18 +55,41 @@ __host__ __device__ constexpr auto RowColLayout(Layout l) {
   return make_layout(make_layout(get<1>(v), get<1>(l)), make_layout(get<0>(v), get<2>(v), get<2>(l)));
 }
 
-template <int kRows>
+// Scale factors of the softmax: scale_log2 = scale * log2(e); with a soft cap
+// also cap_in = scale / cap, cap_log2 = cap * log2(e), cap.
+struct SoftmaxScales {
+  float scale = 1.0f;
+  float scale_log2 = 1.0f;
+  float cap = 0.0f;
+  float cap_in = 0.0f;
+  float cap_log2 = 0.0f;
+};
+
+template <int kRows, bool kSoftcap = false>
 struct OnlineSoftmax {
   float row_max[kRows];  // raw logits (unscaled), quad-uniform
   float row_sum[kRows];  // this thread's partial sum until Finalize()
-  float scale_log2;
+  SoftmaxScales k;
 
-  __device__ explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
+  __device__ explicit OnlineSoftmax(const SoftmaxScales& scales) : k(scales) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       row_max[r] = -INFINITY;
       row_sum[r] = 0.0f;
     }
+  }
+
+  // The logit of raw q.k = x in log2 units (-inf stays -inf).
+  __device__ __forceinline__ float Log2Logit(float x) const {
+    if constexpr (kSoftcap) return x == -INFINITY ? -INFINITY : TanhApprox(x * k.cap_in) * k.cap_log2;
+    else return x * k.scale_log2;
+  }
+
+  // The logit (natural units) of a row's raw maximum m, as the exponents used
+  // it: what the epilogue adds to log(sum) for the lse.
+  __device__ __forceinline__ float LogitOfMax(float m) const {
+    if constexpr (kSoftcap) return TanhApprox(m * k.cap_in) * k.cap;
+    else return m * k.scale;
   }
 
   // s: (rows, cols) raw logits of one tile, replaced by unnormalised
@@ -69,13 +105,19 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
       m = QuadMax(m);
-      const float offset = m == -INFINITY ? 0.0f : m * scale_log2;
-      correction[r] = Exp2Approx(row_max[r] * scale_log2 - offset);
+      const float offset = m == -INFINITY ? 0.0f : Log2Logit(m);
+      correction[r] = Exp2Approx(Log2Logit(row_max[r]) - offset);
       row_max[r] = m;
       float sum = 0.0f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = Exp2Approx(fmaf(s(r, c), scale_log2, -offset));
+        if constexpr (kSoftcap) {
+          const float x = s(r, c);
+          const float p = Exp2Approx(fmaf(TanhApprox(x * k.cap_in), k.cap_log2, -offset));
+          s(r, c) = x == -INFINITY ? 0.0f : p;
+        } else {
+          s(r, c) = Exp2Approx(fmaf(s(r, c), k.scale_log2, -offset));
+        }
         sum += s(r, c);
       }
       row_sum[r] = fmaf(row_sum[r], correction[r], sum);

@@ -1,12 +1,15 @@
 """The "sm90" backend: our own Hopper (sm_90a) forward kernel (csrc/maxattn/sm90/).
 
 Warp-specialised TMA + WGMMA flash attention with max_logit reduced inside the
-kernel (one atomic max per warp). It lives in the CUDA extension module next to
-the cuDNN targets (built when the CUTLASS headers are found at build time). Its
-backward is cuDNN's for now, fed with this forward's residuals (the lse in the
-contract's natural-log [B, N, T] form), so a call must suit both: the reason
-names whichever refuses. `implementation=None` does not pick it yet (on the
-H200 it is still slower than the cuDNN forward; bench/RESULTS.md).
+kernel (one atomic max per warp) and the logit soft cap in its softmax. It
+lives in the CUDA extension module next to the cuDNN targets (built when the
+CUTLASS headers are found at build time). Until the sm90 backward lands, the
+backward runs on this forward's residuals (out and the lse in the contract's
+natural-log [B, N, T] form): cuDNN's, so a call must suit both (the reason
+names whichever refuses); with a soft cap, which cuDNN lacks, the reference's
+(xla.py: exact, but it materialises the [B, N, T, S] logits). `implementation=None`
+does not pick sm90 yet (on the H200 it is still slower than the cuDNN forward;
+bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Optional
 
 import jax
 
-from maxattn._src.backends import cudnn, ffi
+from maxattn._src.backends import cudnn, ffi, xla
 from maxattn._src.call import Call, Fwd, Grads, Saved
 
 FWD_TARGET = "maxattn_attention_fwd_sm90"
@@ -52,7 +55,7 @@ class Sm90Backend:
             segments=ops.q_segment_ids is not None, sink=ops.sink_logits is not None)
         if reason is not None:
             return reason
-        backward = cudnn.BACKEND.unsupported_reason(call)
+        backward = _backward_backend(call).unsupported_reason(call)
         if backward is not None:
             return f"its backward runs on cuDNN until the sm90 backward lands, and {backward}"
         return None
@@ -62,7 +65,12 @@ class Sm90Backend:
         return ffi.forward(FWD_TARGET, call, call.operands)
 
     def backward(self, call: Call, saved: Saved) -> Grads:
-        return cudnn.BACKEND.backward(call, saved)
+        return _backward_backend(call).backward(call, saved)
+
+
+def _backward_backend(call: Call):
+    """Whose backward serves an sm90 forward: cuDNN's, or the reference's for a soft cap."""
+    return xla.BACKEND if call.options.softcap else cudnn.BACKEND
 
 
 BACKEND = Sm90Backend()

@@ -1,0 +1,6 @@
+// maxattn sm90: forward kernels for head dim 128 with a logit soft cap (own file
+// so the instances compile in parallel).
+#include "maxattn/sm90/fwd_kernel.h"
+
+MAXATTN_SM90_INSTANTIATE_FORWARD(128, cutlass::bfloat16_t, maxattn::sm90::kPingPong, true);
+MAXATTN_SM90_INSTANTIATE_FORWARD(128, cutlass::half_t, maxattn::sm90::kPingPong, true);
