@@ -491,11 +491,12 @@ __global__ void RandomFill(uint16_t* x, size_t n, uint32_t seed, bool bf16) {
   }
 }
 
-void Perf(int only_shape) {
+void Perf(int only_shape, float softcap) {
   struct Shape { int B, T, N, K, H; bool causal; };
   const Shape shapes[] = {{4, 2048, 32, 32, 128, true}, {4, 2048, 32, 32, 128, false},
                           {2, 8192, 16, 16, 128, true}, {4, 4096, 32, 8, 128, true},
                           {8, 2048, 16, 16, 64, true}};
+  if (softcap > 0) std::printf("\nsoft cap %g", softcap);
   std::printf("\n%-28s %10s %10s %10s %10s %10s\n", "B,T,N,K,H mask", "ms(lse)", "TFLOP/s", "ms(+max)",
               "TFLOP/s", "max cost");
   for (int si = 0; si < static_cast<int>(sizeof shapes / sizeof shapes[0]); ++si) {
@@ -514,6 +515,7 @@ void Perf(int only_shape) {
     AttentionOptions opt;
     opt.scale = 1.0f / std::sqrt(static_cast<float>(s.H));
     opt.causal = s.causal;
+    opt.softcap = softcap;
     AttentionInputs in;
     in.dtype = DType::kBFloat16; in.q = q.ptr; in.k = k.ptr; in.v = v.ptr;
     cudaEvent_t e0, e1;
@@ -553,10 +555,12 @@ void Perf(int only_shape) {
 int main(int argc, char** argv) {
   bool small = false, perf = true;
   int only_shape = -1;
+  float softcap = 0.0f;  // --softcap X: the timed shapes with a logit soft cap
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--small")) { small = true; perf = false; }
     if (!std::strcmp(argv[i], "--no-perf")) perf = false;
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only_shape = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--softcap") && i + 1 < argc) softcap = static_cast<float>(std::atof(argv[++i]));
   }
   cudaDeviceProp prop;
   CUDA_OK(cudaGetDeviceProperties(&prop, 0));
@@ -573,6 +577,6 @@ int main(int argc, char** argv) {
     }
     std::printf("\n%d/%d cases passed\n", total - failures, total);
   }
-  if (perf) Perf(only_shape);
+  if (perf) Perf(only_shape, softcap);
   return failures == 0 ? 0 : 1;
 }
