@@ -35,6 +35,35 @@ __device__ __forceinline__ float TanhApprox(float x) {
   return y;
 }
 
+// 2^x on the FMA pipe instead of the MUFU unit, for x <= 0: x = n + f with
+// n = floor(x) (read from the mantissa of x + 1.5 * 2^23, rounded down), 2^f
+// on [0, 1) by a degree-3 polynomial (relative error 8.6e-5, below the
+// rounding of P to bf16 or fp16) and 2^n as a float built from its exponent
+// bits. The clamp keeps a NaN (max.NaN) and sends x < -126 to exactly 0 (n =
+// -127 gives the float 0); a NaN x gives NaN through the polynomial.
+__device__ __forceinline__ float Exp2Poly(float x) {
+  asm("max.NaN.f32 %0, %0, 0fC2FE0000;" : "+f"(x));  // max(x, -127)
+  constexpr float kRound = 12582912.0f;            // 1.5 * 2^23
+  const float j = __fadd_rd(x, kRound);
+  const float f = x - (j - kRound);
+  const float p = fmaf(fmaf(fmaf(0.07706213f, f, 0.22764884f), f, 0.69511681f), f, 1.0f);
+  const float two_n = __int_as_float((__float_as_int(j) << 23) + 0x3f800000);
+  return p * two_n;
+}
+
+// How many of every 4 columns of a thread's score tile take Exp2Poly instead
+// of the MUFU exp2, without and with a soft cap (whose tanh is a second MUFU
+// op per entry). The defaults are the H200 optimum (NOTES.md, "exp2 on the FMA
+// pipe"): none without a cap (1 of 4 already costs 7-10%), 1 of 4 with one
+// (5-8% faster at H=128; 2 of 4 is slower again). Overridable with -D for
+// experiments.
+#ifndef MAXATTN_SM90_EXP2_POLY
+#define MAXATTN_SM90_EXP2_POLY 0
+#endif
+#ifndef MAXATTN_SM90_SOFTCAP_EXP2_POLY
+#define MAXATTN_SM90_SOFTCAP_EXP2_POLY 1
+#endif
+
 __device__ __forceinline__ float QuadMax(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -111,12 +140,16 @@ struct OnlineSoftmax {
       float sum = 0.0f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
+        constexpr int kPoly = kSoftcap ? MAXATTN_SM90_SOFTCAP_EXP2_POLY : MAXATTN_SM90_EXP2_POLY;
+        const bool poly = (c % 4) < kPoly;  // compile-time after unrolling
         if constexpr (kSoftcap) {
           const float x = s(r, c);
-          const float p = Exp2Approx(fmaf(TanhApprox(x * k.cap_in), k.cap_log2, -offset));
+          const float y = fmaf(TanhApprox(x * k.cap_in), k.cap_log2, -offset);
+          const float p = poly ? Exp2Poly(y) : Exp2Approx(y);
           s(r, c) = x == -INFINITY ? 0.0f : p;
         } else {
-          s(r, c) = Exp2Approx(fmaf(s(r, c), k.scale_log2, -offset));
+          const float y = fmaf(s(r, c), k.scale_log2, -offset);
+          s(r, c) = poly ? Exp2Poly(y) : Exp2Approx(y);
         }
         sum += s(r, c);
       }
