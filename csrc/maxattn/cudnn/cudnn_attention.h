@@ -32,22 +32,16 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 
 #include <cuda_runtime_api.h>
 
 #include "maxattn/attention.h"
+#include "maxattn/device_context.h"
 
 namespace maxattn::cudnn {
 
-// Where and how one call runs.
-struct DeviceContext {
-  int device = 0;                 // CUDA device ordinal
-  cudaStream_t stream = nullptr;  // all work is enqueued here; nothing synchronises
-  // Returns `bytes` of device memory valid until the stream reaches the end of
-  // this call, or nullptr when out of memory. Called at most a few times per call.
-  std::function<void*(size_t bytes)> allocate;
-};
+// Where and how one call runs (device_context.h).
+using DeviceContext = ::maxattn::DeviceContext;
 
 // What support depends on besides the shape and options: the call as this
 // backend receives it (after the Python side folded masks into the bias and
