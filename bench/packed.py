@@ -3,8 +3,10 @@
 For each (B, T, N, K, H, D) row -- B rows of T tokens, each D equal causal documents -- times, in one
 interleaved run (bench/gpu.py's timing: jitted calls, median of the repetitions):
   * ``ragged``: maxattn with segment ids and ``max_segments_per_row=D`` (cuDNN ragged sequences);
-  * ``dense``: maxattn with the same segment ids and no bound (a dense [B, 1, T, T] bias) -- only
-    where that bias fits comfortably;
+  * ``dense``: maxattn with the same segment ids and no bound -- only up to T = 8192. On ``cudnn``
+    that is a dense [B, 1, T, T] bias; with ``--impl sm90`` it is the kernel's own segment-id path
+    (cross-document tiles skipped, no bias; its backward is cuDNN's dense-bias one), and ``ragged``
+    is refused there (the sm90 backend takes no bound);
   * ``unpacked``: maxattn on the same work as (B * D, T / D) rows, no segment ids;
   * ``fa3 varlen``: flash-attn3-jax ``flash_mha_varlen`` on the same packing (when installed).
 Forward with max_logit and lse (what QK-Clip training reads), and forward+backward. Also the peak
@@ -128,12 +130,14 @@ def main(argv=None):
         for kind in ("fwd", "fwd+bwd"):
             cells = [f"{n.split(' ')[0] if not n.startswith('fa3') else 'fa3'} {med[n]:.3f}"
                      for n in med if n.endswith(" " + kind)]
-            rag, unp, fa = (med.get(f"{x} {kind}") for x in ("ragged", "unpacked", "fa3 varlen"))
+            unp, fa = (med.get(f"{x} {kind}") for x in ("unpacked", "fa3 varlen"))
             ratios = []
-            if rag and unp:
-                ratios.append(f"ragged/unpacked {rag / unp:.2f}x")
-            if rag and fa:
-                ratios.append(f"ragged/fa3 {rag / fa:.2f}x")
+            for packed in ("ragged", "dense"):
+                t = med.get(f"{packed} {kind}")
+                if t and unp:
+                    ratios.append(f"{packed}/unpacked {t / unp:.2f}x")
+                if t and fa:
+                    ratios.append(f"{packed}/fa3 {t / fa:.2f}x")
             line += f"\n  {kind:8s} " + ", ".join(cells) + ("  | " + ", ".join(ratios) if ratios else "")
         if peak is not None:
             line += f"\n  process peak device memory after ragged fwd+bwd: {peak / 2**20:.0f} MiB"

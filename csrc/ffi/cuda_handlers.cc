@@ -19,8 +19,8 @@
 namespace maxattn::ffi_glue {
 namespace {
 
-cudnn::DeviceContext MakeContext(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch) {
-  cudnn::DeviceContext ctx;
+DeviceContext MakeContext(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch) {
+  DeviceContext ctx;
   ctx.device = device;
   ctx.stream = stream;
   ctx.allocate = [&scratch](size_t bytes) -> void* {
@@ -76,20 +76,22 @@ struct CudaPlatform {
 struct Sm90Platform {
   static constexpr const char* kForwardName = "maxattn_attention_fwd_sm90";
   static ffi::DataType BiasType(ffi::DataType input) { return input; }  // no bias is supported
-  using Context = ContextTypes<cudaStream_t, int32_t>;
+  using Context = ContextTypes<cudaStream_t, int32_t, ffi::ScratchAllocator>;
   static auto Bind() {
     return ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // the call's CUDA stream
-        .Ctx<ffi::DeviceOrdinal>();                // the call's device
+        .Ctx<ffi::DeviceOrdinal>()                 // the call's device
+        .Ctx<ffi::ScratchAllocator>();             // segment-id summaries
   }
-  static ffi::Error Forward(cudaStream_t stream, int32_t device, const DecodedCall& call,
-                            const ForwardOutputs& outputs) {
+  static ffi::Error Forward(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch,
+                            const DecodedCall& call, const ForwardOutputs& outputs) {
     return Guarded(kForwardName, [&] {
       DeviceScope scope(device);
       if (scope.status() != cudaSuccess) {
         return Status::Internal(std::string("cudaSetDevice failed: ") + cudaGetErrorString(scope.status()));
       }
-      return AttentionForwardSm90(call.shape, call.options, call.inputs, outputs, stream);
+      return AttentionForwardSm90(call.shape, call.options, call.inputs, outputs,
+                                  MakeContext(stream, device, scratch));
     });
   }
 };

@@ -4,7 +4,12 @@
 //   sm90_fwd_harness            all cases, then the timed shapes
 //   sm90_fwd_harness --small    two small cases, no timing (for compute-sanitizer)
 //   sm90_fwd_harness --no-perf  all cases, no timing
-//   sm90_fwd_harness --perf-only [--shape I]   timings only (of timed shape I alone)
+//   sm90_fwd_harness --perf-only [--shape I] [--softcap X] [--segments D]
+//                               timings only (of timed shape I alone; with a soft cap;
+//                               with segment ids of D equal documents per row)
+//
+// SM90_HARNESS_DUMP=1 also prints, for cases with segment ids, the pre-pass summaries
+// (segments.h) and the first rows whose lse is off.
 //
 // Each case draws fresh random inputs, poisons the outputs (0x7f bytes: a huge
 // finite value) before the run, compares out / lse / max_logit with the
@@ -69,7 +74,14 @@ struct Case {
   bool nan = false;                  // one NaN in a query row of batch 0, head N-1
   float softcap = 0.0f;              // > 0: logit soft cap
   float q_gain = 1.0f;               // q drawn from [-q_gain, q_gain] (large logits for the soft cap)
+  std::vector<int> q_seg, kv_seg;    // segment ids [B*T], [B*S] (0 = padding); empty: none
 };
+
+// One batch row of segment ids: runs of the given lengths with ids first, first + 1, ...
+// (an id of 0 in `ids` instead marks that run as padding), each row appended to `out`.
+void AppendRuns(std::vector<int>& out, const std::vector<int>& lengths, const std::vector<int>& ids) {
+  for (size_t r = 0; r < lengths.size(); ++r) out.insert(out.end(), lengths[r], ids[r]);
+}
 
 uint16_t ToBits(float x, DType t) {
   if (t == DType::kBFloat16) {
@@ -95,8 +107,11 @@ struct Visibility {
   int q_valid, kv_valid, d;
   bool causal;
   int wl, wr;
+  const int* qs = nullptr;  // this row's segment ids, or null
+  const int* ks = nullptr;
   bool operator()(int i, int j) const {
     if (i >= q_valid || j >= kv_valid) return false;
+    if (qs != nullptr && (qs[i] == 0 || qs[i] != ks[j])) return false;
     if (causal && j > i + d) return false;
     if (wl >= 0 && j < i + d - wl) return false;
     if (wr >= 0 && j > i + d + wr) return false;
@@ -112,6 +127,10 @@ Visibility VisFor(const Case& c, int b) {
   v.causal = c.causal;
   v.wl = c.wl;
   v.wr = c.wr;
+  if (!c.q_seg.empty()) {
+    v.qs = c.q_seg.data() + static_cast<size_t>(b) * c.T;
+    v.ks = c.kv_seg.data() + static_cast<size_t>(b) * c.S;
+  }
   return v;
 }
 
@@ -196,6 +215,39 @@ struct DeviceBuffer {
   size_t bytes() const { return count * sizeof(T); }
 };
 
+// The workspace the library asks for (DeviceContext::allocate): one block, reused by later
+// calls on the same stream (they run in order) and grown when a call asks for more.
+struct ScratchArena {
+  void* block = nullptr;
+  size_t size = 0;
+  ScratchArena() = default;
+  ScratchArena(const ScratchArena&) = delete;
+  ScratchArena& operator=(const ScratchArena&) = delete;
+  ~ScratchArena() {
+    if (block != nullptr) {
+      cudaDeviceSynchronize();
+      cudaFree(block);
+    }
+  }
+  maxattn::DeviceContext Context() {
+    maxattn::DeviceContext ctx;
+    ctx.allocate = [this](size_t bytes) -> void* {
+      if (bytes > size) {
+        if (block != nullptr) {
+          cudaDeviceSynchronize();
+          cudaFree(block);
+        }
+        block = nullptr;
+        size = 0;
+        if (cudaMalloc(&block, bytes) != cudaSuccess) return nullptr;
+        size = bytes;
+      }
+      return block;
+    };
+    return ctx;
+  }
+};
+
 const char* DTypeName(DType t) { return t == DType::kBFloat16 ? "bf16" : "fp16"; }
 
 bool RunCase(const Case& c, uint64_t seed) {
@@ -251,6 +303,9 @@ bool RunCase(const Case& c, uint64_t seed) {
   DeviceBuffer<uint16_t> dq(nq), dk(nk), dv(nk), dout(nq), dout2(nq);
   DeviceBuffer<float> dlse(static_cast<size_t>(B) * N * T), dmax(static_cast<size_t>(B) * N);
   DeviceBuffer<int32_t> dql(c.q_lens.size()), dkl(c.kv_lens.size());
+  DeviceBuffer<int32_t> dqs(c.q_seg.size()), dks(c.kv_seg.size());
+  if (!c.q_seg.empty()) CUDA_OK(cudaMemcpy(dqs.ptr, c.q_seg.data(), dqs.bytes(), cudaMemcpyHostToDevice));
+  if (!c.kv_seg.empty()) CUDA_OK(cudaMemcpy(dks.ptr, c.kv_seg.data(), dks.bytes(), cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(dq.ptr, hq.data(), dq.bytes(), cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(dk.ptr, hk.data(), dk.bytes(), cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(dv.ptr, hv.data(), dv.bytes(), cudaMemcpyHostToDevice));
@@ -271,18 +326,21 @@ bool RunCase(const Case& c, uint64_t seed) {
   in.dtype = c.dtype; in.q = dq.ptr; in.k = dk.ptr; in.v = dv.ptr;
   in.q_seq_lengths = c.q_lens.empty() ? nullptr : dql.ptr;
   in.kv_seq_lengths = c.kv_lens.empty() ? nullptr : dkl.ptr;
+  in.q_segment_ids = c.q_seg.empty() ? nullptr : dqs.ptr;
+  in.kv_segment_ids = c.kv_seg.empty() ? nullptr : dks.ptr;
 
   if (auto reason = maxattn::Sm90UnsupportedReason(shape, opt, in)) {
     std::printf("FAIL %-34s unsupported: %s\n", c.name.c_str(), reason->c_str());
     return false;
   }
+  ScratchArena scratch;  // reused by the three runs (same sizes)
   auto run = [&](void* out, float* lse, float* mx) {
     CUDA_OK(cudaMemset(out, 0x7f, dout.bytes()));
     if (lse) CUDA_OK(cudaMemset(lse, 0x7f, dlse.bytes()));
     if (mx) CUDA_OK(cudaMemset(mx, 0x7f, dmax.bytes()));
     ForwardOutputs o;
     o.out = out; o.lse = lse; o.max_logit = mx;
-    Status st = maxattn::AttentionForwardSm90(shape, opt, in, o, nullptr);
+    Status st = maxattn::AttentionForwardSm90(shape, opt, in, o, scratch.Context());
     if (!st.ok()) {
       std::printf("FAIL %-34s status: %s\n", c.name.c_str(), st.message().c_str());
       return false;
@@ -291,11 +349,43 @@ bool RunCase(const Case& c, uint64_t seed) {
     return true;
   };
   if (!run(dout.ptr, dlse.ptr, dmax.ptr)) return false;
+  if (std::getenv("SM90_HARNESS_DUMP") != nullptr && !c.q_seg.empty()) {
+    const int bn = H <= 128 ? 128 : 64, NB = (S + bn - 1) / bn, MB = (T + 127) / 128;
+    std::vector<int32_t> kb(static_cast<size_t>(B) * NB * 4), qb(static_cast<size_t>(B) * MB * 4),
+        re(static_cast<size_t>(B) * S);
+    char* base = static_cast<char*>(scratch.block);
+    CUDA_OK(cudaMemcpy(kb.data(), base, kb.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(qb.data(), base + kb.size() * 4, qb.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(re.data(), base + (kb.size() + qb.size()) * 4, re.size() * 4, cudaMemcpyDeviceToHost));
+    for (int b = 0; b < B; ++b) {
+      for (int nb = 0; nb < NB; ++nb) {
+        const int32_t* x = &kb[(static_cast<size_t>(b) * NB + nb) * 4];
+        std::printf("  b%d key block %d: lo %d hi %d uniform %d\n", b, nb, x[0], x[1], x[2]);
+      }
+      for (int mb = 0; mb < MB; ++mb) {
+        const int32_t* x = &qb[(static_cast<size_t>(b) * MB + mb) * 4];
+        std::printf("  b%d query block %d: n [%d, %d) uniform %d\n", b, mb, x[0], x[1], x[2]);
+      }
+      std::printf("  b%d run ends:", b);
+      for (int j = 0; j < S; ++j) if (j == 0 || re[static_cast<size_t>(b) * S + j] != re[static_cast<size_t>(b) * S + j - 1]) std::printf(" %d:%d", j, re[static_cast<size_t>(b) * S + j]);
+      std::printf("\n");
+    }
+  }
   std::vector<uint16_t> got(nq), got2(nq);
   std::vector<float> glse(dlse.count), gmax(dmax.count);
   CUDA_OK(cudaMemcpy(got.data(), dout.ptr, dout.bytes(), cudaMemcpyDeviceToHost));
   CUDA_OK(cudaMemcpy(glse.data(), dlse.ptr, dlse.bytes(), cudaMemcpyDeviceToHost));
   CUDA_OK(cudaMemcpy(gmax.data(), dmax.ptr, dmax.bytes(), cudaMemcpyDeviceToHost));
+  if (std::getenv("SM90_HARNESS_DUMP") != nullptr) {
+    int shown = 0;
+    for (size_t idx = 0; idx < glse.size() && shown < 40; ++idx) {
+      if (std::fabs(glse[idx] - ref.lse[idx]) > 1e-2 || (std::isinf(ref.lse[idx]) != std::isinf(glse[idx]))) {
+        std::printf("  lse b%zu n%zu i%zu: got %.4f ref %.4f\n", idx / (static_cast<size_t>(N) * T),
+                    idx / T % N, idx % T, glse[idx], ref.lse[idx]);
+        ++shown;
+      }
+    }
+  }
 
   // out
   double num = 0, den = 0;
@@ -458,6 +548,66 @@ std::vector<Case> AllCases() {
     c.spike = true;
     add(c);
   }
+  // Segment ids: B > 1 with unequal runs (length-1 runs, runs across tile edges, padding runs,
+  // an all-padding row), 16 runs in a row, non-contiguous ids, T != S, with masks and features.
+  {
+    Case c{"h128 segments B=3 unequal causal", 3, 700, 700, 4, 2, 128, bf, true};
+    AppendRuns(c.q_seg, {1, 130, 200, 5, 364}, {1, 2, 3, 4, 5});
+    AppendRuns(c.q_seg, {700}, {7});
+    AppendRuns(c.q_seg, {50, 300, 250, 100}, {0, 1, 2, 0});
+    c.kv_seg = c.q_seg;
+    add(c);
+  }
+  {
+    Case c{"h64 segments 16 runs fp16 dense", 2, 1024, 1024, 2, 2, 64, DType::kFloat16};
+    std::vector<int> lens, ids;
+    int used = 0;
+    for (int r = 0; r < 15; ++r) {
+      lens.push_back(r % 3 == 0 ? 65 : 61);
+      used += lens.back();
+      ids.push_back(r + 1);
+    }
+    lens.push_back(1024 - used);
+    ids.push_back(16);
+    AppendRuns(c.q_seg, lens, ids);
+    AppendRuns(c.q_seg, {1024}, {0});  // row 1: all padding
+    c.kv_seg = c.q_seg;
+    add(c);
+  }
+  {
+    Case c{"h128 segments non-contiguous ids", 2, 300, 300, 2, 2, 128, bf};
+    AppendRuns(c.q_seg, {40, 100, 60, 100}, {1, 2, 1, 3});
+    AppendRuns(c.q_seg, {150, 150}, {3, -4});
+    c.kv_seg = c.q_seg;
+    add(c);
+  }
+  {
+    Case c{"h256 segments T!=S causal br", 2, 300, 420, 2, 1, 256, bf, true, true};
+    AppendRuns(c.q_seg, {100, 200}, {1, 2});
+    AppendRuns(c.q_seg, {1, 299}, {5, 6});
+    AppendRuns(c.kv_seg, {150, 270}, {1, 2});
+    AppendRuns(c.kv_seg, {300, 120}, {6, 5});
+    add(c);
+  }
+  {
+    Case c{"h128 segments padding window gqa", 2, 260, 270, 4, 1, 128, bf, true, false, 64, 0};
+    c.q_lens = {200, 260};
+    c.kv_lens = {270, 150};
+    AppendRuns(c.q_seg, {129, 131}, {1, 2});
+    AppendRuns(c.q_seg, {10, 250}, {3, 4});
+    AppendRuns(c.kv_seg, {129, 141}, {1, 2});
+    AppendRuns(c.kv_seg, {10, 260}, {3, 4});
+    add(c);
+  }
+  {
+    Case c{"h128 segments spike softcap", 2, 512, 512, 4, 4, 128, bf, true};
+    AppendRuns(c.q_seg, {128, 256, 128}, {1, 2, 3});
+    AppendRuns(c.q_seg, {300, 212}, {1, 2});
+    c.kv_seg = c.q_seg;
+    c.spike = true;
+    c.softcap = 30.0f;
+    add(c);
+  }
   add({"h128 T=1 decode S=1000", 3, 1, 1000, 4, 2, 128, bf});
   add({"h128 T=1 causal br S=700", 2, 1, 700, 2, 2, 128, bf, true, true});
   add({"h128 long causal 1024", 1, 1024, 1024, 2, 2, 128, bf, true});
@@ -472,6 +622,11 @@ std::vector<Case> SmallCases() {
   a.kv_lens = {200, 190};
   v.push_back(a);
   v.push_back({"small h64 window", 1, 130, 140, 2, 2, 64, DType::kFloat16, false, false, 20, 10});
+  Case s{"small h128 segments", 2, 200, 200, 2, 2, 128, DType::kBFloat16, true};
+  AppendRuns(s.q_seg, {1, 128, 71}, {1, 2, 3});
+  AppendRuns(s.q_seg, {20, 180}, {0, 4});
+  s.kv_seg = s.q_seg;
+  v.push_back(s);
   return v;
 }
 
@@ -491,12 +646,15 @@ __global__ void RandomFill(uint16_t* x, size_t n, uint32_t seed, bool bf16) {
   }
 }
 
-void Perf(int only_shape, float softcap) {
+// softcap > 0: a logit soft cap; docs > 0: segment ids with `docs` equal documents per row
+// (shape 5 is the unpacked equivalent of shape 2 with 8 documents).
+void Perf(int only_shape, float softcap, int docs) {
   struct Shape { int B, T, N, K, H; bool causal; };
   const Shape shapes[] = {{4, 2048, 32, 32, 128, true}, {4, 2048, 32, 32, 128, false},
                           {2, 8192, 16, 16, 128, true}, {4, 4096, 32, 8, 128, true},
-                          {8, 2048, 16, 16, 64, true}};
+                          {8, 2048, 16, 16, 64, true},  {16, 1024, 16, 16, 128, true}};
   if (softcap > 0) std::printf("\nsoft cap %g", softcap);
+  if (docs > 0) std::printf("\n%d documents per row (segment ids)", docs);
   std::printf("\n%-28s %10s %10s %10s %10s %10s\n", "B,T,N,K,H mask", "ms(lse)", "TFLOP/s", "ms(+max)",
               "TFLOP/s", "max cost");
   for (int si = 0; si < static_cast<int>(sizeof shapes / sizeof shapes[0]); ++si) {
@@ -518,6 +676,16 @@ void Perf(int only_shape, float softcap) {
     opt.softcap = softcap;
     AttentionInputs in;
     in.dtype = DType::kBFloat16; in.q = q.ptr; in.k = k.ptr; in.v = v.ptr;
+    std::vector<int> ids;
+    for (int b = 0; b < s.B && docs > 0; ++b)
+      for (int i = 0; i < s.T; ++i) ids.push_back(1 + static_cast<int>(static_cast<int64_t>(i) * docs / s.T));
+    DeviceBuffer<int32_t> seg(ids.size());
+    if (docs > 0) {
+      CUDA_OK(cudaMemcpy(seg.ptr, ids.data(), seg.bytes(), cudaMemcpyHostToDevice));
+      in.q_segment_ids = in.kv_segment_ids = seg.ptr;
+    }
+    ScratchArena scratch;
+    const maxattn::DeviceContext ctx = scratch.Context();
     cudaEvent_t e0, e1;
     CUDA_OK(cudaEventCreate(&e0));
     CUDA_OK(cudaEventCreate(&e1));
@@ -525,7 +693,7 @@ void Perf(int only_shape, float softcap) {
       ForwardOutputs o;
       o.out = out.ptr; o.lse = lse.ptr; o.max_logit = with_max ? mx.ptr : nullptr;
       CUDA_OK(cudaEventRecord(e0));
-      Status st = maxattn::AttentionForwardSm90(shape, opt, in, o, nullptr);
+      Status st = maxattn::AttentionForwardSm90(shape, opt, in, o, ctx);
       CUDA_OK(cudaEventRecord(e1));
       if (!st.ok()) { std::printf("perf status: %s\n", st.message().c_str()); std::exit(1); }
       CUDA_OK(cudaEventSynchronize(e1));
@@ -556,11 +724,13 @@ int main(int argc, char** argv) {
   bool small = false, perf = true;
   int only_shape = -1;
   float softcap = 0.0f;  // --softcap X: the timed shapes with a logit soft cap
+  int docs = 0;          // --segments D: ... with D equal documents per row
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--small")) { small = true; perf = false; }
     if (!std::strcmp(argv[i], "--no-perf")) perf = false;
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only_shape = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--softcap") && i + 1 < argc) softcap = static_cast<float>(std::atof(argv[++i]));
+    if (!std::strcmp(argv[i], "--segments") && i + 1 < argc) docs = std::atoi(argv[++i]);
   }
   cudaDeviceProp prop;
   CUDA_OK(cudaGetDeviceProperties(&prop, 0));
@@ -577,6 +747,6 @@ int main(int argc, char** argv) {
     }
     std::printf("\n%d/%d cases passed\n", total - failures, total);
   }
-  if (perf) Perf(only_shape, softcap);
+  if (perf) Perf(only_shape, softcap, docs);
   return failures == 0 ? 0 : 1;
 }

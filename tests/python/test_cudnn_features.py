@@ -79,6 +79,7 @@ def _runs(B, L, pattern):
 # --------------------------------------------------------------------------------------------------
 
 _PACKED = [[(1, 40), (2, 50), (3, 30)], [(1, 100), (2, 28)]]  # row 0: 3 segments + 8 padding tokens
+_UNEQUAL = [[(1, 1), (2, 130), (3, 60), (4, 100)], [(5, 300)], []]
 _REUSE = [[(1, 20), (2, 30), (1, 25), (3, 33), (2, 12)], [(1, 16), (2, 16)] * 4]  # ids reused non-contiguously
 
 # name: (B, T, S, N, K, H, Hv, bias shape or None, kwargs builder(rng) -> dict)
@@ -91,6 +92,9 @@ SEG_CASES = {
         q_segment_ids=_runs(2, 128, _REUSE), kv_segment_ids=_runs(2, 128, _REUSE))),
     "seg_reuse_causal_bias": (2, 128, 128, 4, 2, 64, 64, "1NTS", lambda rng: dict(
         q_segment_ids=_runs(2, 128, _REUSE), kv_segment_ids=_runs(2, 128, _REUSE), is_causal=True)),
+    # B = 3: unequal runs (a length-1 run, runs across 128-token tiles), one run, an all-padding row.
+    "seg_b3_unequal_causal_h128": (3, 300, 300, 4, 2, 128, 128, None, lambda rng: dict(
+        q_segment_ids=_runs(3, 300, _UNEQUAL), kv_segment_ids=_runs(3, 300, _UNEQUAL), is_causal=True)),
     "seg_padding_causal_gqa": (2, 128, 128, 4, 2, 64, 64, None, lambda rng: dict(
         q_segment_ids=_runs(2, 128, _PACKED), kv_segment_ids=_runs(2, 128, _PACKED), is_causal=True,
         query_seq_lengths=[110, 128], key_value_seq_lengths=[128, 70])),
@@ -107,6 +111,18 @@ SEG_CASES = {
         mask=rng.random((1, 1, 128, 128)) < 0.8, q_segment_ids=_runs(2, 128, _PACKED),
         kv_segment_ids=_runs(2, 128, _PACKED), query_seq_lengths=[128, 90], key_value_seq_lengths=[100, 128])),
 }
+
+
+def _sm90_runs_seg(name):
+    """Whether the sm90 backend (Hopper forward, cuDNN backward) takes a SEG_CASES case."""
+    _, _, _, _, _, H, Hv, bias_shape, build = SEG_CASES[name]
+    return bias_shape is None and "mask" not in build(np.random.default_rng(0)) and H == Hv and H in (64, 128, 256)
+
+
+def _seg_backends(names):
+    """(impl, name) over BACKENDS, and sm90 for the cases it runs (decided from the case: nothing skipped)."""
+    params = [pytest.param(b.values[0], n, marks=b.marks, id=f"{b.id}-{n}") for b in BACKENDS for n in names]
+    return params + [pytest.param("sm90", n, marks=GPU_MARKS, id=f"sm90-{n}") for n in names if _sm90_runs_seg(n)]
 
 
 def _seg_inputs(name, seed=0):
@@ -139,7 +155,7 @@ def _check_against(out, aux, grads, r_out, r_aux, r_grads, dtype=DT):
         assert_close(np.asarray(g, np.float32), rg, OUT_TOL[dtype], name)
 
 
-@pytest.mark.parametrize("name", list(SEG_CASES))
+@pytest.mark.parametrize("impl, name", _seg_backends(list(SEG_CASES)))
 def test_segments_and_masks_match_reference(impl, name):
     q, k, v, bias, ct_out, ct_lse, kwargs = _seg_inputs(name)
     out, aux, grads = jax.jit(lambda *a: loss_and_grads(_attn(impl), *a, **kwargs))(q, k, v, bias, ct_out, ct_lse)
@@ -153,7 +169,34 @@ def test_segments_and_masks_match_reference(impl, name):
         assert np.all(np.isneginf(np.asarray(aux["lse"])[empty]))
 
 
-@pytest.mark.parametrize("name", ["seg_packed_causal_gqa", "seg_cross_bias_B11S", "mask_11TS_causal_bias"])
+@pytest.mark.parametrize("impl", BACKENDS + [pytest.param("sm90", marks=GPU_MARKS, id="sm90")])
+def test_segments_max_logit_spike_across_and_within_segments(impl):
+    """A huge q.k across two segments (and one above the causal diagonal) must not count; a large one
+    inside a segment must. Batch row 1 only, three unequal segments."""
+    B, T, N, H = 2, 256, 4, 128
+    q, k, v = random_inputs(41, B, T, T, N, N, H, H, DT)
+    ids = _i32(_runs(B, T, [[(1, 100), (2, 156)], [(1, 1), (2, 200), (3, 55)]]))
+    u = np.ones(H, np.float32) / np.sqrt(H)
+    qn, kn = np.asarray(q, np.float32), np.asarray(k, np.float32)
+    qn[1, 10, 2] = 40 * u    # segment 2; with key 210 (segment 3) or key 20 (after it): not visible
+    kn[1, 210, 2] = 40 * u
+    kn[1, 20, 2] = 40 * u
+    qn[1, 150, 2] = 12 * u   # segment 2, with key 20 (same segment, earlier): logit 480 * scale
+    q, k = jnp.asarray(qn, DT), jnp.asarray(kn, DT)
+    kwargs = dict(q_segment_ids=ids, kv_segment_ids=ids, is_causal=True)
+    out, aux = jax.jit(lambda q, k, v: _attn(impl)(q, k, v, None, return_max_logit=True, return_lse=True,
+                                                   **kwargs))(q, k, v)
+    with x64():
+        r_out, r_aux = maxattn.reference(*(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)),
+                                         return_max_logit=True, return_lse=True, **kwargs)
+    assert_close(out, np.asarray(r_out), TOL, "out")
+    assert_max_logit_close(np.asarray(aux["max_logit"], np.float64), np.asarray(r_aux["max_logit"]), MTOL)
+    mx = float(aux["max_logit"][2])
+    assert 400 * H ** -0.5 < mx < 1000 * H ** -0.5, mx
+
+
+@pytest.mark.parametrize("impl, name", _seg_backends(["seg_packed_causal_gqa", "seg_cross_bias_B11S",
+                                                      "mask_11TS_causal_bias"]))
 def test_segments_and_masks_plain_output_grads(impl, name):
     """No aux outputs requested (the plain forward graph) and gradients of <out, ct> alone."""
     q, k, v, bias, ct_out, _, kwargs = _seg_inputs(name, seed=31)

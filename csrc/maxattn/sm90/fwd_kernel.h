@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
       typename Config::PipelineState state = cutlass::make_producer_start_state<Pipeline>();
       for (int index = first; index < end; index += stride) {
         const Tile tile = tile_at(index);
-        const BlockMask mask = BlockMask::Make(p.args, tile.batch);
+        const BlockMask mask = BlockMask::Make(p.args, tile.batch, tile.m_block);
         int n_lo = 0, n_hi = 0;
         mask.template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, &n_lo, &n_hi);
         if (n_lo >= n_hi) continue;
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
     typename Config::PipelineState state_k, state_v;
     for (int index = first; index < end; index += stride) {
       const Tile tile = tile_at(index);
-      const BlockMask mask = BlockMask::Make(p.args, tile.batch);
+      const BlockMask mask = BlockMask::Make(p.args, tile.batch, tile.m_block);
       int n_lo = 0, n_hi = 0;
       mask.template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, &n_lo, &n_hi);
       ConsumerMainloop<Config>::template Run<Config::kVariant == kPersistent ? kOverlap : Config::kVariant,

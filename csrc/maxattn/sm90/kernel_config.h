@@ -1,8 +1,8 @@
 // maxattn sm90: compile-time configuration of one forward kernel instance.
 //
 // One instance per (head dim, element type, soft cap or not). Everything else
-// (causal, alignment, window, padding lengths, lse / max_logit requested) is a
-// run-time argument, so the whole backend is twelve kernels.
+// (causal, alignment, window, padding lengths, segment ids, lse / max_logit
+// requested) is a run-time argument, so the whole backend is twelve kernels.
 //
 // Threads: warpgroup 0 is the producer (one elected thread issues TMA loads);
 // warpgroups 1 and 2 are consumers, each owning 64 of the tile's 128 query
@@ -18,6 +18,8 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "maxattn/sm90/segments.h"
+
 namespace maxattn::sm90 {
 
 // Consumer loop variants: kPlain (S, softmax, PV in order), kOverlap (the
@@ -28,6 +30,10 @@ namespace maxattn::sm90 {
 // kPlain and kPersistent passed the harness for H=128 on the H200 but were
 // slower there, so they are not compiled (see NOTES.md).
 enum ConsumerVariant : int { kPlain = 0, kOverlap = 1, kPingPong = 2, kPersistent = 3 };
+
+// Keys per tile for a head dim (the host sizes the segment summaries with it).
+constexpr int KeyBlockSize(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+constexpr int kQueryBlockSize = 128;
 
 // kSoftcap_: the logit soft cap's softmax (softmax.h). Its own instance, so
 // that the plain kernel keeps its registers (one kernel with both loops
@@ -41,8 +47,8 @@ struct FwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
 
-  static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kBlockM = kQueryBlockSize;
+  static constexpr int kBlockN = KeyBlockSize(kHeadDim);
   static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
@@ -116,6 +122,14 @@ struct FwdArgs {
   float* max_logit = nullptr;   // [B, N] or null; pre-filled with float_max.cuh's sentinel
   const int32_t* q_lens = nullptr;
   const int32_t* kv_lens = nullptr;
+  // Segment ids [B, T] / [B, S] and their block summaries (segments.h), all
+  // null without segment ids.
+  const int32_t* q_segment_ids = nullptr;
+  const int32_t* kv_segment_ids = nullptr;
+  const int32_t* kv_run_end = nullptr;           // [B, S]
+  const KeyBlockIds* key_blocks = nullptr;        // [B, num_n_blocks]
+  const QueryBlockKeys* query_blocks = nullptr;   // [B, num_m_blocks]
+  int num_n_blocks = 0;
   int batch = 0, q_len = 0, kv_len = 0, heads = 0, kv_heads = 0, group = 1;
   int num_m_blocks = 0;
   int num_tiles = 0;         // num_m_blocks * heads * batch

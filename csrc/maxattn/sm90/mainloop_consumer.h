@@ -112,7 +112,9 @@ struct ConsumerMainloop {
           warpgroup_fence_operand(tSrS);
           pipe_k.consumer_release(state_k);
           const int n0 = nb * kBlockN;
-          if (mask.template TileNeedsMask<kBlockM, kBlockN>(m0, n0)) mask.Apply(s_rc, sc_rc, m0, n0);
+          if (mask.template TileNeedsMask<kBlockM, kBlockN>(args, m0, n0)) {
+            mask.template Apply<kBlockN>(args, s_rc, sc_rc, m0, n0);
+          }
           softmax.Update(s_rc, correction);
           softmax.Rescale(o_rc, correction);
           ConvertP(tSrS, tOrP, convert);
@@ -143,13 +145,13 @@ struct ConsumerMainloop {
         if constexpr (kTurns) NamedBarrierSync(2 + wg, Config::kConsumerThreads);
         IssueGemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, state_k.index()), tSrS);
         if constexpr (kTurns) NamedBarrierArrive(3 - wg, Config::kConsumerThreads);
+        // Decided while the GEMM runs (with segment ids it reads a summary).
+        bool need_mask = mask.template TileNeedsMask<kBlockM, kBlockN>(args, m0, nb * kBlockN);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
         pipe_k.consumer_release(state_k);
         ++state_k;
-        if (mask.template TileNeedsMask<kBlockM, kBlockN>(m0, nb * kBlockN)) {
-          mask.Apply(s_rc, sc_rc, m0, nb * kBlockN);
-        }
+        if (need_mask) mask.template Apply<kBlockN>(args, s_rc, sc_rc, m0, nb * kBlockN);
         softmax.Update(s_rc, correction);
         ConvertP(tSrS, tOrP, convert);
         for (nb = n_hi - 2; nb >= n_lo; --nb) {
@@ -159,12 +161,13 @@ struct ConsumerMainloop {
           IssueGemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, state_k.index()), tSrS);
           IssueGemm<false, true>(mma_o, tOrP, tOrV(_, _, _, state_v.index()), tOrO);
           if constexpr (kTurns) NamedBarrierArrive(3 - wg, Config::kConsumerThreads);
+          const int n0 = nb * kBlockN;
+          need_mask = mask.template TileNeedsMask<kBlockM, kBlockN>(args, m0, n0);
           warpgroup_wait<1>();
           warpgroup_fence_operand(tSrS);
           pipe_k.consumer_release(state_k);
           ++state_k;
-          const int n0 = nb * kBlockN;
-          if (mask.template TileNeedsMask<kBlockM, kBlockN>(m0, n0)) mask.Apply(s_rc, sc_rc, m0, n0);
+          if (need_mask) mask.template Apply<kBlockN>(args, s_rc, sc_rc, m0, n0);
           softmax.Update(s_rc, correction);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);

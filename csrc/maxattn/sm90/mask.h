@@ -3,8 +3,11 @@
 // Same rule as attention.h: with q_valid / kv_valid the padding lengths and
 // d = 0 (top-left) or kv_valid - q_valid (bottom-right),
 //   visible(i, j) = i < q_valid && j < kv_valid && (!causal || j <= i + d)
-//                   && (wl < 0 || j >= i + d - wl) && (wr < 0 || j <= i + d + wr).
-// Rows i >= q_valid are not masked here: the epilogue writes them as fully
+//                   && (wl < 0 || j >= i + d - wl) && (wr < 0 || j <= i + d + wr)
+//                   && (no segment ids || (qseg[i] != 0 && qseg[i] == kvseg[j])).
+// Segment ids narrow the key-block range through the pre-pass summaries and
+// are compared element-wise only where a tile is not one id on both sides
+// (segments.h). Rows i >= q_valid are not masked here: the epilogue writes them as fully
 // masked (out 0, lse -inf) and leaves them out of max_logit.
 #ifndef MAXATTN_SM90_MASK_H_
 #define MAXATTN_SM90_MASK_H_
@@ -26,9 +29,20 @@ struct BlockMask {
   bool causal = false;
   int window_left = -1;
   int window_right = -1;
+  // With segment ids: the batch row and the query block's summary. The id
+  // arrays are found from the kernel arguments when needed (constant bank),
+  // which keeps three pointers out of the consumers' registers.
+  bool segments = false;
+  int batch = 0;
+  QueryBlockKeys q_block{0, 0, 0, 0};
 
-  __device__ static BlockMask Make(const FwdArgs& args, int batch) {
+  __device__ static BlockMask Make(const FwdArgs& args, int batch, int m_block) {
     BlockMask m;
+    m.batch = batch;
+    if (args.q_segment_ids != nullptr) {
+      m.segments = true;
+      m.q_block = args.query_blocks[static_cast<int64_t>(batch) * args.num_m_blocks + m_block];
+    }
     m.q_valid = args.q_len;
     m.kv_valid = args.kv_len;
     if (args.q_lens != nullptr) m.q_valid = min(max(args.q_lens[batch], 0), args.q_len);
@@ -54,38 +68,80 @@ struct BlockMask {
     int j_lo = 0;
     if (window_left >= 0) j_lo = max(j_lo, m0 + diag - window_left);
     if (j_hi < j_lo) return;
-    *lo = FloorDiv(j_lo, kBlockN);
-    *hi = FloorDiv(j_hi, kBlockN) + 1;
+    int n_lo = FloorDiv(j_lo, kBlockN), n_hi = FloorDiv(j_hi, kBlockN) + 1;
+    if (segments) {
+      n_lo = max(n_lo, q_block.n_lo);
+      n_hi = min(n_hi, q_block.n_hi);
+      if (n_hi <= n_lo) return;
+    }
+    *lo = n_lo;
+    *hi = n_hi;
   }
 
   // True when some entry of the (m0, n0) tile must be masked element-wise.
   template <int kBlockM, int kBlockN>
-  __device__ bool TileNeedsMask(int m0, int n0) const {
+  __device__ bool TileNeedsMask(const FwdArgs& args, int m0, int n0) const {
     const int i_max = m0 + kBlockM - 1;
     const int j_max = n0 + kBlockN - 1;
     bool need = j_max >= kv_valid;
     if (causal) need |= j_max > m0 + diag;
     if (window_left >= 0) need |= n0 < i_max + diag - window_left;
     if (window_right >= 0) need |= j_max > m0 + diag + window_right;
+    if (segments) {
+      const int key_uniform = args.key_blocks[static_cast<int64_t>(batch) * args.num_n_blocks + n0 / kBlockN].uniform;
+      need |= q_block.uniform == 0 || key_uniform != q_block.uniform;
+    }
     return need;
   }
 
   // Sets invisible entries of a (row, col) view of the S accumulator to -inf.
-  // coords holds the (row, col) of each element inside the tile.
-  template <class TensorS, class TensorC>
-  __device__ void Apply(TensorS& s, const TensorC& coords, int m0, int n0) const {
+  // coords holds the (row, col) of each element inside the tile; a column's
+  // position is the same in every row of the view.
+  template <int kBlockN, class TensorS, class TensorC>
+  __device__ void Apply(const FwdArgs& args, TensorS& s, const TensorC& coords, int m0, int n0) const {
     using namespace cute;
+    constexpr int kRows = decltype(size<0>(s))::value;
+    int j_lo[kRows], j_hi[kRows], id[kRows];
     CUTE_UNROLL
-    for (int r = 0; r < size<0>(s); ++r) {
+    for (int r = 0; r < kRows; ++r) {
       const int i = m0 + get<0>(coords(r, 0));
-      int j_hi = kv_valid - 1;
-      if (causal) j_hi = min(j_hi, i + diag);
-      if (window_right >= 0) j_hi = min(j_hi, i + diag + window_right);
-      const int j_lo = window_left >= 0 ? i + diag - window_left : 0;
+      j_hi[r] = kv_valid - 1;
+      if (causal) j_hi[r] = min(j_hi[r], i + diag);
+      if (window_right >= 0) j_hi[r] = min(j_hi[r], i + diag + window_right);
+      j_lo[r] = window_left >= 0 ? i + diag - window_left : 0;
+      if (segments) {  // a padding row (id 0) sees nothing
+        id[r] = i < q_valid ? __ldg(args.q_segment_ids + static_cast<int64_t>(batch) * args.q_len + i) : 0;
+        if (id[r] == 0) j_hi[r] = -1;
+      }
+    }
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      const int j = n0 + get<1>(coords(0, c));
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        const int j = n0 + get<1>(coords(r, c));
-        if (j > j_hi || j < j_lo) s(r, c) = -INFINITY;
+      for (int r = 0; r < kRows; ++r) {
+        if (j > j_hi[r] || j < j_lo[r]) s(r, c) = -INFINITY;
+      }
+    }
+    if (segments) {
+      // The key block as runs of equal ids (segments.h: run_end), walked in
+      // order; each run whose id is not the row's is masked like a window.
+      // The walk is the same for every thread (no divergence) and keeps the
+      // ids out of registers: two uniform loads per run.
+      const int64_t row = static_cast<int64_t>(batch) * args.kv_len;
+      const int end = min(n0 + kBlockN, kv_valid);
+      for (int run = n0; run < end;) {
+        const int run_id = __ldg(args.kv_segment_ids + row + run);
+        const int run_next = __ldg(args.kv_run_end + row + run);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          if (run_id == id[r]) continue;
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s); ++c) {
+            const int j = n0 + get<1>(coords(0, c));
+            if (j >= run && j < run_next) s(r, c) = -INFINITY;
+          }
+        }
+        run = run_next;
       }
     }
   }

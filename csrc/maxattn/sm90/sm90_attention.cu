@@ -1,6 +1,7 @@
 // maxattn sm90: argument checks, the run-time dispatch over the six kernel
 // instances (head dim x dtype; the consumer-loop variant per head dim is the one
-// measured and tested on the H200, see NOTES.md), and the degenerate cases.
+// measured and tested on the H200, see NOTES.md), the segment-id pre-pass and
+// the degenerate cases.
 #include "maxattn/sm90/sm90_attention.h"
 
 #include <cuda_runtime.h>
@@ -15,6 +16,7 @@
 #include "maxattn/float_max.cuh"
 #include "maxattn/sm90/kernel_config.h"
 #include "maxattn/sm90/launch.h"
+#include "maxattn/sm90/segments.h"
 
 namespace maxattn {
 namespace {
@@ -76,8 +78,44 @@ Status Dispatch(const AttentionShape& shape, const sm90::FwdArgs& args, const At
                              : DispatchHeadDim<false>(shape, args, inputs, stream);
 }
 
+// The segment-id block summaries (segments.h) in scratch memory, enqueued on the stream.
+Status PrepareSegments(const AttentionShape& shape, const AttentionInputs& inputs, const DeviceContext& ctx,
+                       sm90::FwdArgs* args) {
+  const int block_n = sm90::KeyBlockSize(static_cast<int>(shape.head_dim));
+  args->num_n_blocks = static_cast<int>((shape.kv_len + block_n - 1) / block_n);
+  const size_t key_bytes = static_cast<size_t>(shape.batch) * args->num_n_blocks * sizeof(sm90::KeyBlockIds);
+  const size_t query_bytes = static_cast<size_t>(shape.batch) * args->num_m_blocks * sizeof(sm90::QueryBlockKeys);
+  const size_t run_bytes = static_cast<size_t>(shape.batch) * shape.kv_len * sizeof(int32_t);
+  const size_t bytes = key_bytes + query_bytes + run_bytes;
+  void* scratch = ctx.allocate ? ctx.allocate(bytes) : nullptr;
+  if (scratch == nullptr) {
+    return Status::Internal("sm90 attention: could not allocate " + std::to_string(bytes) +
+                            " bytes of workspace for the segment-id summaries");
+  }
+  sm90::SegmentSummaryArgs s;
+  s.q_ids = inputs.q_segment_ids;
+  s.kv_ids = inputs.kv_segment_ids;
+  s.q_lens = inputs.q_seq_lengths;
+  s.kv_lens = inputs.kv_seq_lengths;
+  s.batch = static_cast<int>(shape.batch);
+  s.q_len = static_cast<int>(shape.q_len);
+  s.kv_len = static_cast<int>(shape.kv_len);
+  s.block_m = sm90::kQueryBlockSize;
+  s.block_n = block_n;
+  s.key_blocks = static_cast<sm90::KeyBlockIds*>(scratch);  // 16-byte aligned: both are 16-byte records
+  s.query_blocks = reinterpret_cast<sm90::QueryBlockKeys*>(static_cast<char*>(scratch) + key_bytes);
+  s.kv_run_end = reinterpret_cast<int32_t*>(static_cast<char*>(scratch) + key_bytes + query_bytes);
+  args->q_segment_ids = inputs.q_segment_ids;
+  args->kv_segment_ids = inputs.kv_segment_ids;
+  args->key_blocks = s.key_blocks;
+  args->kv_run_end = s.kv_run_end;
+  args->query_blocks = s.query_blocks;
+  return sm90::SummarizeSegments(s, ctx.stream);
+}
+
 Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs,
-                   const ForwardOutputs& outputs, cudaStream_t stream) {
+                   const ForwardOutputs& outputs, const DeviceContext& ctx) {
+  cudaStream_t stream = ctx.stream;
   MAXATTN_RETURN_IF_ERROR(ValidateShapeAndOptions(shape, options, inputs));
   if (auto reason = Sm90UnsupportedReason(shape, options, inputs)) return Status::Unimplemented(*reason);
   if (outputs.out == nullptr) return Status::InvalidArgument("sm90 attention: outputs.out is null");
@@ -119,7 +157,7 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
   args.heads = static_cast<int>(N);
   args.kv_heads = static_cast<int>(shape.num_kv_heads);
   args.group = static_cast<int>(N / shape.num_kv_heads);
-  args.num_m_blocks = static_cast<int>((T + 127) / 128);
+  args.num_m_blocks = static_cast<int>((T + sm90::kQueryBlockSize - 1) / sm90::kQueryBlockSize);
   args.num_tiles = static_cast<int>(args.num_m_blocks * N * B);
   args.scale = options.scale;
   args.scale_log2 = static_cast<float>(static_cast<double>(options.scale) * 1.4426950408889634);
@@ -138,6 +176,7 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
         Cuda(cudaMemsetAsync(outputs.max_logit, kAtomicMaxEmptyByte, static_cast<size_t>(B * N) * 4, stream),
              "cudaMemsetAsync(max_logit)"));
   }
+  if (inputs.q_segment_ids != nullptr) MAXATTN_RETURN_IF_ERROR(PrepareSegments(shape, inputs, ctx, &args));
   return Dispatch(shape, args, inputs, stream);
 }
 
@@ -157,9 +196,6 @@ std::optional<std::string> Sm90UnsupportedReason(const AttentionShape& shape, co
   }
   if (inputs.bias != nullptr) return std::string("sm90 backend: bias is not supported");
   if (inputs.mask != nullptr) return std::string("sm90 backend: a dense boolean mask is not supported");
-  if (inputs.q_segment_ids != nullptr || inputs.kv_segment_ids != nullptr) {
-    return std::string("sm90 backend: segment ids are not supported yet");
-  }
   if (inputs.sink_logits != nullptr) return std::string("sm90 backend: attention sinks are not supported yet");
   if (options.dropout_rate > 0.0f) return std::string("sm90 backend: dropout is not supported");
   if (!(options.scale > 0.0f) || !std::isfinite(options.scale)) {
@@ -191,9 +227,9 @@ std::optional<std::string> Sm90UnsupportedReason(const AttentionShape& shape, co
 }
 
 Status AttentionForwardSm90(const AttentionShape& shape, const AttentionOptions& options,
-                            const AttentionInputs& inputs, const ForwardOutputs& outputs, cudaStream_t stream) {
+                            const AttentionInputs& inputs, const ForwardOutputs& outputs, const DeviceContext& ctx) {
   try {
-    return ForwardImpl(shape, options, inputs, outputs, stream);
+    return ForwardImpl(shape, options, inputs, outputs, ctx);
   } catch (const std::exception& e) {
     return Status::Internal(std::string("sm90 attention: ") + e.what());
   } catch (...) {

@@ -3,6 +3,7 @@
 // Warp-specialised TMA + WGMMA kernel (csrc/maxattn/sm90/) with max_logit
 // reduced inside the kernel: one atomic max per (batch, head) per consumer warp
 // into outputs.max_logit [B, N], which the launcher initialises on the stream.
+// Segment ids run without a dense bias (segments.h).
 // Semantics are exactly those of attention.h; the calls it cannot run are
 // named by Sm90UnsupportedReason.
 #ifndef MAXATTN_SM90_SM90_ATTENTION_H_
@@ -14,6 +15,7 @@
 #include <string>
 
 #include "maxattn/attention.h"
+#include "maxattn/device_context.h"
 
 namespace maxattn {
 
@@ -23,13 +25,15 @@ namespace maxattn {
 std::optional<std::string> Sm90UnsupportedReason(const AttentionShape& shape, const AttentionOptions& options,
                                                  const AttentionInputs& inputs);
 
-// Runs the forward on `stream` (device pointers). Validates the call first;
-// returns Unimplemented with the reason for a call Sm90UnsupportedReason
-// rejects, or when the current device is not compute capability 9.0. lse and
-// max_logit are written only when their pointers are non-null. Thread-safe;
-// never throws.
+// Runs the forward on ctx.stream (device pointers; the current device must
+// be ctx.device). Validates the call first; returns Unimplemented with the
+// reason for a call Sm90UnsupportedReason rejects, or when the device is not
+// compute capability 9.0. lse and max_logit are written only when their
+// pointers are non-null. ctx.allocate is called only with segment ids (their
+// summaries, segments.h: 16 bytes per query block and per key block and 4 per
+// key, of each batch row). Thread-safe; never throws.
 Status AttentionForwardSm90(const AttentionShape& shape, const AttentionOptions& options,
-                            const AttentionInputs& inputs, const ForwardOutputs& outputs, cudaStream_t stream);
+                            const AttentionInputs& inputs, const ForwardOutputs& outputs, const DeviceContext& ctx);
 
 }  // namespace maxattn
 

@@ -154,9 +154,10 @@ def dot_product_attention(
       implementation: None (auto: the platform's fused backend when it can run
         the call, else "xla" with a one-time warning naming the reason),
         "cpu" (C++ kernels), "cudnn" (GPU), "sm90" (our Hopper forward kernel,
-        in-kernel max_logit; cuDNN's backward; no bias, mask, segment ids,
-        sinks, dropout or soft cap yet; chosen only when asked for) or "xla"
-        (pure JAX reference). An explicitly requested backend that cannot run
+        in-kernel max_logit, soft cap and segment ids (without
+        max_segments_per_row); cuDNN's backward, the reference's with a soft
+        cap; no bias, mask, sinks or dropout; chosen only when asked for) or
+        "xla" (pure JAX reference). An explicitly requested backend that cannot run
         the call raises ValueError with the reason.
       return_max_logit: also return ``aux["max_logit"]``.
       return_lse: also return ``aux["lse"]``.

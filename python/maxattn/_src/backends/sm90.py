@@ -1,13 +1,18 @@
 """The "sm90" backend: our own Hopper (sm_90a) forward kernel (csrc/maxattn/sm90/).
 
 Warp-specialised TMA + WGMMA flash attention with max_logit reduced inside the
-kernel (one atomic max per warp) and the logit soft cap in its softmax. It
+kernel (one atomic max per warp), the logit soft cap in its softmax and segment
+ids without a dense bias (cross-document tiles skipped, ids compared only in
+the tiles on a document boundary). It
 lives in the CUDA extension module next to the cuDNN targets (built when the
 CUTLASS headers are found at build time). Until the sm90 backward lands, the
 backward runs on this forward's residuals (out and the lse in the contract's
 natural-log [B, N, T] form): cuDNN's, so a call must suit both (the reason
 names whichever refuses); with a soft cap, which cuDNN lacks, the reference's
-(xla.py: exact, but it materialises the [B, N, T, S] logits). `implementation=None`
+(xla.py: exact, but it materialises the [B, N, T, S] logits). With segment ids
+that backward is cuDNN's dense-bias form (O(T * S)); a `max_segments_per_row`
+bound is refused here, because cuDNN's ragged backward would poison the rows
+that break it while this forward is exact on them. `implementation=None`
 does not pick sm90 yet (on the H200 it is still slower than the cuDNN forward;
 bench/RESULTS.md).
 """
@@ -55,6 +60,10 @@ class Sm90Backend:
             segments=ops.q_segment_ids is not None, sink=ops.sink_logits is not None)
         if reason is not None:
             return reason
+        if call.options.max_segments > 0:
+            return ("max_segments_per_row is a promise for cuDNN's ragged path, which would run this call's "
+                    "backward and turn the rows that break it into NaN while the sm90 forward is exact on them; "
+                    "drop it (the sm90 kernel needs no bound) or use implementation=\"cudnn\"")
         backward = _backward_backend(call).unsupported_reason(call)
         if backward is not None:
             return f"its backward runs on cuDNN until the sm90 backward lands, and {backward}"
