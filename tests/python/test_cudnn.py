@@ -6,6 +6,8 @@ tools/gpu_check.sh. Tolerances are DESIGN.md §3's.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,8 +226,23 @@ def test_sm90_names_what_it_cannot_run(kwargs, needle):
     bias = jnp.zeros((1, 2, 64, 64), jnp.bfloat16) if kwargs.pop("bias", False) else None
     with pytest.raises(ValueError, match=f'implementation="sm90" cannot run this call: .*{needle}'):
         maxattn.dot_product_attention(q, k, v, bias, implementation="sm90", **kwargs)
-    # Auto mode keeps cuDNN (the sm90 forward is not yet the faster one).
-    assert maxattn.dot_product_attention(q, k, v).dtype == q.dtype
+    # Auto mode keeps cuDNN where both run (the sm90 forward is not yet the faster one).
+    hlo = jax.jit(lambda q, k, v: maxattn.dot_product_attention(q, k, v)).lower(q, k, v).as_text()
+    assert "maxattn_attention_fwd_cuda" in hlo and "maxattn_attention_fwd_sm90" not in hlo
+
+
+def test_auto_mode_runs_soft_cap_on_sm90():
+    """A soft cap, which cuDNN refuses, runs on the sm90 kernel in auto mode (no "xla" fallback)."""
+    q, k, v = random_inputs(2, 1, 128, 128, 2, 2, 128, 128, jnp.bfloat16)
+    f = lambda q, k, v: maxattn.dot_product_attention(q, k, v, logits_soft_cap=20.0, is_causal=True)
+    hlo = jax.jit(f).lower(q, k, v).as_text()
+    assert "maxattn_attention_fwd_sm90" in hlo
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to xla would warn
+        out = jax.jit(f)(q, k, v)
+    r_out, _, _ = reference64(q, k, v, None, jnp.zeros_like(q), jnp.zeros((1, 2, 128), jnp.float32),
+                              logits_soft_cap=20.0, is_causal=True)
+    assert_close(out, r_out, OUT_TOL[jnp.bfloat16], "out")
 
 
 # Soft-capped calls on sm90: the kernel's tanh softmax forward, the reference backward (cuDNN has

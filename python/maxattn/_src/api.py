@@ -24,14 +24,17 @@ def _choose_backend(implementation: Optional[str], call: Call) -> Optional[str]:
         if reason is not None:
             raise ValueError(f'implementation="{implementation}" cannot run this call: {reason}')
         return implementation
-    preferred = backends.preferred_for_platform(jax.default_backend())
-    if preferred is None:
-        return None
-    reason = backends.unsupported_reason(preferred, call)
-    if reason is None:
-        return preferred
-    warn_once(f'maxattn: falling back from "{preferred}" to "xla" (which materialises the T x S logits): {reason}',
-              stacklevel=4)
+    order = backends.auto_order(jax.default_backend())
+    reasons = []
+    for name in order:
+        reason = backends.unsupported_reason(name, call)
+        if reason is None:
+            return name
+        reasons.append(f'"{name}": {reason}')
+    if reasons:
+        tried = " and ".join(f'"{n}"' for n in order)
+        warn_once(f'maxattn: falling back from {tried} to "xla" (which materialises the T x S logits): '
+                  + "; ".join(reasons), stacklevel=4)
     return None
 
 
@@ -152,12 +155,13 @@ def dot_product_attention(
       sink_logits: float32 [N], one sink logit per query head; required iff
         ``softmax_type="learnable"``. Differentiable.
       implementation: None (auto: the platform's fused backend when it can run
-        the call, else "xla" with a one-time warning naming the reason),
+        the call -- "cpu" on a CPU; on a GPU "cudnn", else "sm90" (on Hopper,
+        e.g. for a soft cap) -- else "xla" with a one-time warning naming the
+        reasons),
         "cpu" (C++ kernels), "cudnn" (GPU), "sm90" (our Hopper forward kernel,
         in-kernel max_logit, soft cap and segment ids (without
         max_segments_per_row); cuDNN's backward, the reference's with a soft
-        cap; no bias, mask, sinks or dropout; chosen only when asked for) or
-        "xla" (pure JAX reference). An explicitly requested backend that cannot run
+        cap; no bias, mask, sinks or dropout) or "xla" (pure JAX reference). An explicitly requested backend that cannot run
         the call raises ValueError with the reason.
       return_max_logit: also return ``aux["max_logit"]``.
       return_lse: also return ``aux["lse"]``.

@@ -17,8 +17,12 @@ _MODULES = {
     "cudnn": "maxattn._src.backends.cudnn",
     "sm90": "maxattn._src.backends.sm90",
 }
-# The fused backend `implementation=None` prefers on each JAX platform.
-_PREFERRED = {"cpu": "cpu", "gpu": "cudnn", "cuda": "cudnn"}
+# The fused backends `implementation=None` tries on each JAX platform, in order. On a GPU cuDNN
+# comes first: at head dims 64 and 128 its forward is as fast as sm90's or faster on the H200
+# (bench/RESULTS.md). sm90 takes what cuDNN refuses (the soft cap), which would otherwise fall
+# back to "xla" and materialise the T x S logits; its own refusals (not a Hopper GPU, a bias,
+# ...) are then part of the fallback warning.
+_AUTO = {"cpu": ("cpu",), "gpu": ("cudnn", "sm90"), "cuda": ("cudnn", "sm90")}
 
 
 def names() -> tuple[str, ...]:
@@ -30,9 +34,9 @@ def get(name: str) -> Backend:
     return importlib.import_module(_MODULES[name]).BACKEND
 
 
-def preferred_for_platform(platform: str) -> Optional[str]:
-    """The fused backend used by implementation=None on `platform`, if any."""
-    return _PREFERRED.get(platform)
+def auto_order(platform: str) -> tuple[str, ...]:
+    """The fused backends implementation=None tries on `platform`, in order (may be empty)."""
+    return _AUTO.get(platform, ())
 
 
 def unsupported_reason(name: str, call) -> Optional[str]:

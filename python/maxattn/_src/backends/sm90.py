@@ -13,8 +13,8 @@ names whichever refuses); with a soft cap, which cuDNN lacks, the reference's
 that backward is cuDNN's dense-bias form (O(T * S)); a `max_segments_per_row`
 bound is refused here, because cuDNN's ragged backward would poison the rows
 that break it while this forward is exact on them. `implementation=None`
-does not pick sm90 yet (on the H200 it is still slower than the cuDNN forward;
-bench/RESULTS.md).
+tries sm90 after cuDNN (backends/__init__.py: where both run, the cuDNN forward
+is as fast or faster on the H200; bench/RESULTS.md).
 """
 
 from __future__ import annotations
