@@ -2,11 +2,12 @@
 // against a float64 CPU reference over a matrix of cases, then timings.
 //
 //   sm90_fwd_harness            all cases, then the timed shapes
-//   sm90_fwd_harness --small    two small cases, no timing (for compute-sanitizer)
+//   sm90_fwd_harness --small    three small cases, no timing (for compute-sanitizer)
 //   sm90_fwd_harness --no-perf  all cases, no timing
-//   sm90_fwd_harness --perf-only [--shape I] [--softcap X] [--segments D]
+//   sm90_fwd_harness --perf-only [--shape I] [--softcap X] [--segments D] [--sinks]
 //                               timings only (of timed shape I alone; with a soft cap;
-//                               with segment ids of D equal documents per row)
+//                               with segment ids of D equal documents per row; with
+//                               off-by-one sinks)
 //
 // SM90_HARNESS_DUMP=1 also prints, for cases with segment ids, the pre-pass summaries
 // (segments.h) and the first rows whose lse is off.
@@ -47,6 +48,7 @@ using maxattn::ForwardOutputs;
 using maxattn::Status;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr float kInf32 = std::numeric_limits<float>::infinity();
 
 #define CUDA_OK(expr)                                                                          \
   do {                                                                                         \
@@ -75,6 +77,7 @@ struct Case {
   float softcap = 0.0f;              // > 0: logit soft cap
   float q_gain = 1.0f;               // q drawn from [-q_gain, q_gain] (large logits for the soft cap)
   std::vector<int> q_seg, kv_seg;    // segment ids [B*T], [B*S] (0 = padding); empty: none
+  std::vector<float> sink;           // per-head sink logits [N]; empty: vanilla softmax
 };
 
 // One batch row of segment ids: runs of the given lengths with ids first, first + 1, ...
@@ -136,6 +139,7 @@ Visibility VisFor(const Case& c, int b) {
 
 struct Reference {
   std::vector<double> out, lse, max_logit;
+  std::vector<char> empty;  // [B*N*T]: the row sees no key (out must be 0)
 };
 
 Reference ComputeReference(const Case& c, const std::vector<float>& q, const std::vector<float>& k,
@@ -145,13 +149,16 @@ Reference ComputeReference(const Case& c, const std::vector<float>& q, const std
   r.out.assign(static_cast<size_t>(B) * T * N * H, 0.0);
   r.lse.assign(static_cast<size_t>(B) * N * T, -kInf);
   r.max_logit.assign(static_cast<size_t>(B) * N, -kInf);
+  r.empty.assign(static_cast<size_t>(B) * N * T, 1);
   auto work = [&](int bn) {
     const int b = bn / N, n = bn % N, kh = n / G;
+    const double sink = c.sink.empty() ? -kInf : c.sink[n];
     const Visibility vis = VisFor(c, b);
     std::vector<double> s(S);
     double head_max = -kInf;
     bool head_nan = false;
     for (int i = 0; i < T; ++i) {
+      r.lse[(static_cast<size_t>(b) * N + n) * T + i] = sink;  // a row that sees nothing
       const float* qi = &q[((static_cast<size_t>(b) * T + i) * N + n) * H];
       double m = -kInf, lm = -kInf;  // max of the raw logits (max_logit) and of the capped ones
       bool any = false, row_nan = false;
@@ -172,6 +179,7 @@ Reference ComputeReference(const Case& c, const std::vector<float>& q, const std
         }
       }
       if (!any) continue;
+      r.empty[(static_cast<size_t>(b) * N + n) * T + i] = 0;
       if (row_nan) head_nan = true; else head_max = std::max(head_max, m);
       double sum = 0;
       std::vector<double> acc(H, 0.0);
@@ -182,9 +190,13 @@ Reference ComputeReference(const Case& c, const std::vector<float>& q, const std
         const float* vj = &v[((static_cast<size_t>(b) * S + j) * K + kh) * H];
         for (int h = 0; h < H; ++h) acc[h] += p * vj[h];
       }
+      // lse = log(sum_j exp(l_j) + exp(sink)), out = sum_j exp(l_j - lse) v_j.
+      const double top = std::max(lm, sink);
+      const double lse = top + std::log(sum * std::exp(lm - top) + std::exp(sink - top));
+      const double norm = std::exp(lm - lse);
       double* o = &r.out[((static_cast<size_t>(b) * T + i) * N + n) * H];
-      for (int h = 0; h < H; ++h) o[h] = acc[h] / sum;
-      r.lse[(static_cast<size_t>(b) * N + n) * T + i] = lm + std::log(sum);
+      for (int h = 0; h < H; ++h) o[h] = acc[h] * norm;
+      r.lse[(static_cast<size_t>(b) * N + n) * T + i] = row_nan ? std::nan("") : lse;
     }
     r.max_logit[static_cast<size_t>(b) * N + n] = head_nan ? std::nan("") : head_max;
   };
@@ -328,6 +340,11 @@ bool RunCase(const Case& c, uint64_t seed) {
   in.kv_seq_lengths = c.kv_lens.empty() ? nullptr : dkl.ptr;
   in.q_segment_ids = c.q_seg.empty() ? nullptr : dqs.ptr;
   in.kv_segment_ids = c.kv_seg.empty() ? nullptr : dks.ptr;
+  DeviceBuffer<float> dsink(c.sink.size());
+  if (!c.sink.empty()) {
+    CUDA_OK(cudaMemcpy(dsink.ptr, c.sink.data(), dsink.bytes(), cudaMemcpyHostToDevice));
+    in.sink_logits = dsink.ptr;
+  }
 
   if (auto reason = maxattn::Sm90UnsupportedReason(shape, opt, in)) {
     std::printf("FAIL %-34s unsupported: %s\n", c.name.c_str(), reason->c_str());
@@ -402,7 +419,7 @@ bool RunCase(const Case& c, uint64_t seed) {
   for (int b = 0; b < B; ++b)
     for (int n = 0; n < N; ++n)
       for (int i = 0; i < T; ++i)
-        if (ref.lse[(static_cast<size_t>(b) * N + n) * T + i] == -kInf)
+        if (ref.empty[(static_cast<size_t>(b) * N + n) * T + i])
           for (int h = 0; h < H; ++h)
             masked_nonzero += got[((static_cast<size_t>(b) * T + i) * N + n) * H + h] != 0;
   const double out_err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
@@ -412,9 +429,9 @@ bool RunCase(const Case& c, uint64_t seed) {
   size_t lse_bad = 0, masked_rows = 0;
   for (size_t idx = 0; idx < glse.size(); ++idx) {
     const double g = glse[idx], r = ref.lse[idx];
-    if (r == -kInf) {
-      ++masked_rows;
-      lse_bad += g != -kInf;
+    masked_rows += ref.empty[idx];
+    if (std::isinf(r)) {
+      lse_bad += g != r;
     } else if (std::isnan(r) || std::isnan(g)) {
       lse_bad += std::isnan(r) != std::isnan(g);
     } else {
@@ -608,6 +625,36 @@ std::vector<Case> AllCases() {
     c.softcap = 30.0f;
     add(c);
   }
+  // Sinks (learnable and off-by-one): the denominator gains exp(sink[n]); empty rows have
+  // lse = sink; a sink of -inf is the vanilla softmax; a large sink dominates small rows.
+  {
+    Case c{"h128 sinks causal padding gqa", 3, 300, 300, 4, 2, 128, bf, true};
+    c.sink = {-1.0f, 0.5f, 6.0f, -kInf32};
+    c.q_lens = {300, 0, 129};
+    c.kv_lens = {300, 200, 1};
+    add(c);
+  }
+  {
+    Case c{"h64 off-by-one dense fp16 T!=S", 2, 200, 333, 2, 1, 64, DType::kFloat16};
+    c.sink = {0.0f, 0.0f};
+    add(c);
+  }
+  {
+    Case c{"h256 sinks softcap br", 2, 260, 300, 2, 2, 256, bf, true, true};
+    c.sink = {2.0f, -3.0f};
+    c.softcap = 30.0f;
+    c.q_gain = 24.0f;
+    add(c);
+  }
+  {
+    Case c{"h128 sinks segments spike", 2, 400, 400, 2, 2, 128, bf, true};
+    AppendRuns(c.q_seg, {30, 170, 200}, {0, 1, 2});
+    AppendRuns(c.q_seg, {1, 399}, {3, 4});
+    c.kv_seg = c.q_seg;
+    c.sink = {1.5f, -0.5f};
+    c.spike = true;
+    add(c);
+  }
   add({"h128 T=1 decode S=1000", 3, 1, 1000, 4, 2, 128, bf});
   add({"h128 T=1 causal br S=700", 2, 1, 700, 2, 2, 128, bf, true, true});
   add({"h128 long causal 1024", 1, 1024, 1024, 2, 2, 128, bf, true});
@@ -626,6 +673,7 @@ std::vector<Case> SmallCases() {
   AppendRuns(s.q_seg, {1, 128, 71}, {1, 2, 3});
   AppendRuns(s.q_seg, {20, 180}, {0, 4});
   s.kv_seg = s.q_seg;
+  s.sink = {0.5f, -2.0f};  // and sinks (epilogue)
   v.push_back(s);
   return v;
 }
@@ -648,13 +696,14 @@ __global__ void RandomFill(uint16_t* x, size_t n, uint32_t seed, bool bf16) {
 
 // softcap > 0: a logit soft cap; docs > 0: segment ids with `docs` equal documents per row
 // (shape 5 is the unpacked equivalent of shape 2 with 8 documents).
-void Perf(int only_shape, float softcap, int docs) {
+void Perf(int only_shape, float softcap, int docs, bool sinks) {
   struct Shape { int B, T, N, K, H; bool causal; };
   const Shape shapes[] = {{4, 2048, 32, 32, 128, true}, {4, 2048, 32, 32, 128, false},
                           {2, 8192, 16, 16, 128, true}, {4, 4096, 32, 8, 128, true},
                           {8, 2048, 16, 16, 64, true},  {16, 1024, 16, 16, 128, true}};
   if (softcap > 0) std::printf("\nsoft cap %g", softcap);
   if (docs > 0) std::printf("\n%d documents per row (segment ids)", docs);
+  if (sinks) std::printf("\nsinks (off-by-one)");
   std::printf("\n%-28s %10s %10s %10s %10s %10s\n", "B,T,N,K,H mask", "ms(lse)", "TFLOP/s", "ms(+max)",
               "TFLOP/s", "max cost");
   for (int si = 0; si < static_cast<int>(sizeof shapes / sizeof shapes[0]); ++si) {
@@ -683,6 +732,11 @@ void Perf(int only_shape, float softcap, int docs) {
     if (docs > 0) {
       CUDA_OK(cudaMemcpy(seg.ptr, ids.data(), seg.bytes(), cudaMemcpyHostToDevice));
       in.q_segment_ids = in.kv_segment_ids = seg.ptr;
+    }
+    DeviceBuffer<float> sink(sinks ? s.N : 0);
+    if (sinks) {
+      CUDA_OK(cudaMemset(sink.ptr, 0, sink.bytes()));  // 0.0f: the off-by-one softmax
+      in.sink_logits = sink.ptr;
     }
     ScratchArena scratch;
     const maxattn::DeviceContext ctx = scratch.Context();
@@ -725,12 +779,14 @@ int main(int argc, char** argv) {
   int only_shape = -1;
   float softcap = 0.0f;  // --softcap X: the timed shapes with a logit soft cap
   int docs = 0;          // --segments D: ... with D equal documents per row
+  bool sinks = false;    // --sinks: ... with off-by-one sinks
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--small")) { small = true; perf = false; }
     if (!std::strcmp(argv[i], "--no-perf")) perf = false;
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only_shape = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--softcap") && i + 1 < argc) softcap = static_cast<float>(std::atof(argv[++i]));
     if (!std::strcmp(argv[i], "--segments") && i + 1 < argc) docs = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--sinks")) sinks = true;
   }
   cudaDeviceProp prop;
   CUDA_OK(cudaGetDeviceProperties(&prop, 0));
@@ -747,6 +803,6 @@ int main(int argc, char** argv) {
     }
     std::printf("\n%d/%d cases passed\n", total - failures, total);
   }
-  if (perf) Perf(only_shape, softcap, docs);
+  if (perf) Perf(only_shape, softcap, docs, sinks);
   return failures == 0 ? 0 : 1;
 }

@@ -119,10 +119,14 @@ def _sm90_runs_seg(name):
     return bias_shape is None and "mask" not in build(np.random.default_rng(0)) and H == Hv and H in (64, 128, 256)
 
 
-def _seg_backends(names):
+def _with_sm90(names, sm90_runs):
     """(impl, name) over BACKENDS, and sm90 for the cases it runs (decided from the case: nothing skipped)."""
     params = [pytest.param(b.values[0], n, marks=b.marks, id=f"{b.id}-{n}") for b in BACKENDS for n in names]
-    return params + [pytest.param("sm90", n, marks=GPU_MARKS, id=f"sm90-{n}") for n in names if _sm90_runs_seg(n)]
+    return params + [pytest.param("sm90", n, marks=GPU_MARKS, id=f"sm90-{n}") for n in names if sm90_runs(n)]
+
+
+def _seg_backends(names):
+    return _with_sm90(names, _sm90_runs_seg)
 
 
 def _seg_inputs(name, seed=0):
@@ -279,8 +283,14 @@ def _sink_reference64(q, k, v, bias, sink, ct_out, ct_lse, **kwargs):
         return jax.tree.map(np.asarray, (out, aux, grads))
 
 
+def _sm90_runs_sink(name):
+    """Whether the sm90 backend (sinks in its epilogue, cuDNN backward) takes a SINK_CASES case."""
+    _, _, _, _, _, H, Hv, _, _, bias_shape, _ = SINK_CASES[name]
+    return bias_shape is None and H == Hv
+
+
 @pytest.mark.parametrize("path", list(SINK_PATHS))
-@pytest.mark.parametrize("name", list(SINK_CASES))
+@pytest.mark.parametrize("impl, name", _with_sm90(list(SINK_CASES), _sm90_runs_sink))
 def test_sinks_match_reference(impl, name, path):
     want_max, want_lse = SINK_PATHS[path]
     q, k, v, bias, sink, ct_out, ct_lse, kwargs = _sink_inputs(name)

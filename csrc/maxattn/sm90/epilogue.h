@@ -2,12 +2,16 @@
 //
 // Per row: sum == 0 (nothing visible) or a padded row (i >= q_valid) gives
 // out 0 and lse -inf; a NaN sum (a NaN logit was visible) gives NaN for out,
-// lse and the row's max logit. The raw row maxima times the scale are the
+// lse and the row's max logit. With a sink logit z (args.sink_logits[n]) the
+// denominator gains exp(z): with L the logit of the row maximum and
+// M = max(L, z), lse = M + log(sum * exp(L - M) + exp(z - M)) and out =
+// acc * exp(L - lse); an empty row has out 0 and lse z (-inf for z = -inf:
+// the vanilla case). The sink never enters max_logit. The raw row maxima times the scale are the
 // row's max logits (scale > 0, so max(scale*s) == scale*max(s) in fp32); each
 // warp reduces its rows by shuffles and issues one atomic max into
-// max_logit[b, n] (float_max.cuh), also when it sees nothing, before it
-// stores out: no barrier between the consumer warpgroups, and the atomic's
-// round trip overlaps the stores.
+// max_logit[b, n] (float_max.cuh), also when it sees nothing, while its last
+// P V GEMM is in flight: no barrier between the consumer warpgroups, and the
+// reduction's latency is hidden behind the tensor cores.
 #ifndef MAXATTN_SM90_EPILOGUE_H_
 #define MAXATTN_SM90_EPILOGUE_H_
 
@@ -38,6 +42,37 @@ template <class Config>
 struct Epilogue {
   using Element = typename Config::Element;
 
+  // This warp's share of max_logit[b, n]: the raw row maxima times the scale,
+  // NaN for a row whose sum is NaN, reduced by shuffles to one atomic max per
+  // warp (also when the warp sees nothing: the buffer starts below -inf). The
+  // row maxima are final after the last softmax update, so the consumer calls
+  // this while its last P V GEMM runs (mainloop_consumer.h): its latency hides
+  // behind the tensor cores. The partial row sums suffice for the NaN test:
+  // the quad's four threads all enter the warp's reduction.
+  template <class Softmax, class TensorC>
+  __device__ static void MaxLogit(const FwdArgs& args, const Tile& tile, const BlockMask& mask,
+                                  const Softmax& softmax, const TensorC& oc, int consumer_tid) {
+    using namespace cute;
+    if (args.max_logit == nullptr) return;
+    const int m0 = tile.m_block * Config::kBlockM;
+    float thread_max = -INFINITY;
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(oc); ++r) {
+      if (m0 + get<0>(oc(r, 0)) >= mask.q_valid) continue;
+      const float sum = softmax.row_sum[r];
+      float row_logit = softmax.row_max[r] * args.scale;
+      if (sum != sum && softmax.row_max[r] != INFINITY) row_logit = __int_as_float(0x7fffffff);
+      thread_max = NanMax(thread_max, row_logit);
+    }
+    CUTE_UNROLL
+    for (int offset = 16; offset > 0; offset /= 2) {
+      thread_max = NanMax(thread_max, __shfl_xor_sync(0xffffffffu, thread_max, offset));
+    }
+    if (consumer_tid % 32 == 0) {
+      AtomicMaxFloat(args.max_logit + static_cast<int64_t>(tile.batch) * args.heads + tile.head, thread_max);
+    }
+  }
+
   // o: (rows, cols) fp32 accumulator view; oc: the (row, col) coordinates of
   // each of its elements in the tile. softmax: finalised row statistics.
   template <class Softmax, class TensorO, class TensorC>
@@ -46,36 +81,29 @@ struct Epilogue {
     using namespace cute;
     const int m0 = tile.m_block * Config::kBlockM;
     const int lane = consumer_tid % 32;
-    // max_logit first: the atomic's round trip then overlaps the stores below
-    // instead of holding the CTA at its end.
-    if (args.max_logit != nullptr) {
-      float thread_max = -INFINITY;
-      CUTE_UNROLL
-      for (int r = 0; r < size<0>(o); ++r) {
-        if (m0 + get<0>(oc(r, 0)) >= mask.q_valid) continue;
-        const float sum = softmax.row_sum[r];
-        float row_logit = softmax.row_max[r] * args.scale;
-        if (sum != sum && softmax.row_max[r] != INFINITY) row_logit = __int_as_float(0x7fffffff);
-        thread_max = NanMax(thread_max, row_logit);
-      }
-      CUTE_UNROLL
-      for (int offset = 16; offset > 0; offset /= 2) {
-        thread_max = NanMax(thread_max, __shfl_xor_sync(0xffffffffu, thread_max, offset));
-      }
-      if (lane == 0) {
-        AtomicMaxFloat(args.max_logit + static_cast<int64_t>(tile.batch) * args.heads + tile.head, thread_max);
-      }
-    }
     Element* out = static_cast<Element*>(args.out);
+    const bool has_sink = args.sink_logits != nullptr;
+    const float sink = has_sink ? args.sink_logits[tile.head] : -INFINITY;
     CUTE_UNROLL
     for (int r = 0; r < size<0>(o); ++r) {
       const int i = m0 + get<0>(oc(r, 0));
       if (i >= args.q_len) continue;
       const float sum = softmax.row_sum[r];
       const bool empty = i >= mask.q_valid || sum == 0.0f;
-      const float inv = empty ? 0.0f : 1.0f / sum;  // NaN stays NaN
+      float inv = empty ? 0.0f : 1.0f / sum;  // NaN stays NaN
+      float lse = empty ? -INFINITY : softmax.LogitOfMax(softmax.row_max[r]) + logf(sum);
+      if (has_sink) {
+        if (empty) {
+          lse = sink;
+        } else {
+          const float logit = softmax.LogitOfMax(softmax.row_max[r]);
+          const float top = fmaxf(logit, sink);  // sink = -inf or NaN: logit
+          const float denom = fmaf(sum, expf(logit - top), expf(sink - top));
+          lse = top + logf(denom);
+          inv = expf(logit - lse);
+        }
+      }
       if (args.lse != nullptr && (lane % 4) == 0) {
-        const float lse = empty ? -INFINITY : softmax.LogitOfMax(softmax.row_max[r]) + logf(sum);
         args.lse[(static_cast<int64_t>(tile.batch) * args.heads + tile.head) * args.q_len + i] = lse;
       }
       Element* row = out + ((static_cast<int64_t>(tile.batch) * args.q_len + i) * args.heads + tile.head) *

@@ -122,6 +122,7 @@ struct FwdArgs {
   float* max_logit = nullptr;   // [B, N] or null; pre-filled with float_max.cuh's sentinel
   const int32_t* q_lens = nullptr;
   const int32_t* kv_lens = nullptr;
+  const float* sink_logits = nullptr;  // [N] per-head sink logit (epilogue.h), or null
   // Segment ids [B, T] / [B, S] and their block summaries (segments.h), all
   // null without segment ids.
   const int32_t* q_segment_ids = nullptr;

@@ -99,6 +99,7 @@ struct ConsumerMainloop {
     clear(tOrO);
 
     const int m0 = tile.m_block * kBlockM;
+    bool max_logit_done = false;
     if (n_lo < n_hi) {
       smem.barrier_q.wait(static_cast<uint32_t>(q_phase));
       cutlass::NumericArrayConverter<Element, float, 2> convert;
@@ -183,6 +184,9 @@ struct ConsumerMainloop {
         if constexpr (kTurns) {
           if (wg == 0) NamedBarrierArrive(3, Config::kConsumerThreads);
         }
+        // The row maxima are final: max_logit while the last GEMM runs.
+        Epilogue<Config>::MaxLogit(args, tile, mask, softmax, oc_rc, consumer_tid);
+        max_logit_done = true;
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         pipe_v.consumer_release(state_v);
@@ -191,6 +195,7 @@ struct ConsumerMainloop {
       // Q of this tile is no longer read: the producer may load the next one.
       smem.barrier_q_empty.arrive();
     }
+    if (!max_logit_done) Epilogue<Config>::MaxLogit(args, tile, mask, softmax, oc_rc, consumer_tid);
     softmax.Finalize();
     Epilogue<Config>::Store(args, tile, mask, softmax, o_rc, oc_rc, consumer_tid);
   }

@@ -46,6 +46,23 @@ Status Fill(float* data, int64_t n, float value, cudaStream_t stream) {
   return Cuda(cudaGetLastError(), "fill kernel launch");
 }
 
+// lse [B, N, T] of rows that see no key: the head's sink logit.
+__global__ void FillSinkLseKernel(float* lse, const float* sink, int64_t n, int64_t heads, int64_t q_len) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    lse[i] = sink[(i / q_len) % heads];
+  }
+}
+
+Status FillEmptyLse(float* lse, const float* sink, int64_t B, int64_t N, int64_t T, cudaStream_t stream) {
+  if (sink == nullptr) return Fill(lse, B * N * T, -INFINITY, stream);
+  if (lse == nullptr) return Status::Ok();
+  const int64_t n = B * N * T;
+  const int64_t blocks = (n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024;
+  FillSinkLseKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(lse, sink, n, N, T);
+  return Cuda(cudaGetLastError(), "sink lse fill kernel launch");
+}
+
 int ClampWindow(int64_t w, int64_t limit) {
   if (w < 0) return -1;
   return static_cast<int>(w < limit ? w : limit);
@@ -141,7 +158,7 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
   if (S == 0) {  // every row fully masked
     MAXATTN_RETURN_IF_ERROR(Cuda(cudaMemsetAsync(outputs.out, 0, static_cast<size_t>(out_bytes), stream),
                                  "cudaMemsetAsync(out)"));
-    MAXATTN_RETURN_IF_ERROR(Fill(outputs.lse, B * N * T, -INFINITY, stream));
+    MAXATTN_RETURN_IF_ERROR(FillEmptyLse(outputs.lse, inputs.sink_logits, B, N, T, stream));
     return Fill(outputs.max_logit, B * N, -INFINITY, stream);
   }
 
@@ -151,6 +168,7 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
   args.max_logit = outputs.max_logit;
   args.q_lens = inputs.q_seq_lengths;
   args.kv_lens = inputs.kv_seq_lengths;
+  args.sink_logits = inputs.sink_logits;
   args.batch = static_cast<int>(B);
   args.q_len = static_cast<int>(T);
   args.kv_len = static_cast<int>(S);
@@ -196,7 +214,6 @@ std::optional<std::string> Sm90UnsupportedReason(const AttentionShape& shape, co
   }
   if (inputs.bias != nullptr) return std::string("sm90 backend: bias is not supported");
   if (inputs.mask != nullptr) return std::string("sm90 backend: a dense boolean mask is not supported");
-  if (inputs.sink_logits != nullptr) return std::string("sm90 backend: attention sinks are not supported yet");
   if (options.dropout_rate > 0.0f) return std::string("sm90 backend: dropout is not supported");
   if (!(options.scale > 0.0f) || !std::isfinite(options.scale)) {
     return std::string("sm90 backend: scale must be positive and finite");

@@ -159,10 +159,11 @@ def dot_product_attention(
         e.g. for a soft cap) -- else "xla" with a one-time warning naming the
         reasons),
         "cpu" (C++ kernels), "cudnn" (GPU), "sm90" (our Hopper forward kernel,
-        in-kernel max_logit, soft cap and segment ids (without
-        max_segments_per_row); cuDNN's backward, the reference's with a soft
-        cap; no bias, mask, sinks or dropout) or "xla" (pure JAX reference). An explicitly requested backend that cannot run
-        the call raises ValueError with the reason.
+        in-kernel max_logit, soft cap, segment ids (without
+        max_segments_per_row) and sinks; cuDNN's backward, the reference's
+        with a soft cap; no bias, mask or dropout) or "xla" (pure JAX
+        reference). An explicitly requested backend that cannot run the call
+        raises ValueError with the reason.
       return_max_logit: also return ``aux["max_logit"]``.
       return_lse: also return ``aux["lse"]``.
       return_residual: jax.nn's spelling: return ``(out, residual)`` where the

@@ -1,9 +1,9 @@
 """The "sm90" backend: our own Hopper (sm_90a) forward kernel (csrc/maxattn/sm90/).
 
 Warp-specialised TMA + WGMMA flash attention with max_logit reduced inside the
-kernel (one atomic max per warp), the logit soft cap in its softmax and segment
+kernel (one atomic max per warp), the logit soft cap in its softmax, segment
 ids without a dense bias (cross-document tiles skipped, ids compared only in
-the tiles on a document boundary). It
+the tiles on a document boundary) and attention sinks in its epilogue. It
 lives in the CUDA extension module next to the cuDNN targets (built when the
 CUTLASS headers are found at build time). Until the sm90 backward lands, the
 backward runs on this forward's residuals (out and the lse in the contract's
