@@ -370,7 +370,7 @@ bool RunCase(const Case& c, uint64_t seed) {
     const int bn = H <= 128 ? 128 : 64, NB = (S + bn - 1) / bn, MB = (T + 127) / 128;
     std::vector<int32_t> kb(static_cast<size_t>(B) * NB * 4), qb(static_cast<size_t>(B) * MB * 4),
         re(static_cast<size_t>(B) * S);
-    char* base = static_cast<char*>(scratch.block);
+    char* base = static_cast<char*>(scratch.block) + maxattn::Sm90TileCounterBytes(H);
     CUDA_OK(cudaMemcpy(kb.data(), base, kb.size() * 4, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(qb.data(), base + kb.size() * 4, qb.size() * 4, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(re.data(), base + (kb.size() + qb.size()) * 4, re.size() * 4, cudaMemcpyDeviceToHost));

@@ -43,6 +43,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
   pipe_params.num_consumers = Config::kConsumerThreads;
   Pipeline pipe_k(smem.pipe_k, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
   Pipeline pipe_v(smem.pipe_v, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  // Persistent grids: tile indices from the producer thread to the consumers.
+  typename Config::TilePipeline::Params tile_params;
+  tile_params.role = warpgroup == 0 ? Config::TilePipeline::ThreadCategory::Producer
+                                    : Config::TilePipeline::ThreadCategory::Consumer;
+  tile_params.producer_arv_count = 1;
+  tile_params.consumer_arv_count = Config::kConsumerThreads;
+  typename Config::TilePipeline pipe_tile(smem.pipe_tile, tile_params);
   if (threadIdx.x == 0) {
     smem.barrier_q.init(1);
     smem.barrier_q_empty.init(Config::kConsumerThreads);
@@ -50,10 +57,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
-  // One tile (static grid) or a strided walk over all tiles (persistent).
-  const int first = Config::kPersistentGrid ? static_cast<int>(blockIdx.x) : 0;
-  const int stride = Config::kPersistentGrid ? static_cast<int>(gridDim.x) : 1;
-  const int end = Config::kPersistentGrid ? p.args.num_tiles : 1;
   auto tile_at = [&](int index) {
     if constexpr (Config::kPersistentGrid) return PersistentLongestFirstScheduler::Get(p.args, index);
     else return StaticLongestFirstScheduler::Get(p.args);
@@ -65,29 +68,55 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
     if (threadIdx.x == 0) {
       typename Config::PipelineState state = cutlass::make_producer_start_state<Pipeline>();
-      for (int index = first; index < end; index += stride) {
+      auto produce = [&](int index) {
         const Tile tile = tile_at(index);
         const BlockMask mask = BlockMask::Make(p.args, tile.batch, tile.m_block);
         int n_lo = 0, n_hi = 0;
         mask.template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, &n_lo, &n_hi);
-        if (n_lo >= n_hi) continue;
+        if (n_lo >= n_hi) return;
         ProducerMainloop<Config>::Run(p, smem, pipe_k, pipe_v, tile, n_lo, n_hi, state, q_loads);
         ++q_loads;
+      };
+      if constexpr (Config::kPersistentGrid) {
+        auto tile_state = cutlass::make_producer_start_state<typename Config::TilePipeline>();
+        for (int index = static_cast<int>(blockIdx.x);;) {
+          pipe_tile.producer_acquire(tile_state);
+          smem.tile_index[tile_state.index()] = index;
+          pipe_tile.producer_commit(tile_state);
+          ++tile_state;
+          if (index >= p.args.num_tiles) break;  // the consumers stop on it too
+          produce(index);
+          index = PersistentLongestFirstScheduler::Next(p.args);
+        }
+      } else {
+        produce(0);
       }
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
     typename Config::PipelineState state_k, state_v;
-    for (int index = first; index < end; index += stride) {
+    auto consume = [&](int index) {
       const Tile tile = tile_at(index);
       const BlockMask mask = BlockMask::Make(p.args, tile.batch, tile.m_block);
       int n_lo = 0, n_hi = 0;
       mask.template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, &n_lo, &n_hi);
-      ConsumerMainloop<Config>::template Run<Config::kVariant == kPersistent ? kOverlap : Config::kVariant,
-                                             Config::kSoftcap>(
+      ConsumerMainloop<Config>::template Run<Config::kTileLoop, Config::kSoftcap>(
           p.args, smem, pipe_k, pipe_v, tile, mask, n_lo, n_hi, static_cast<int>(threadIdx.x) - 128, state_k,
           state_v, q_loads & 1);
       if (n_lo < n_hi) ++q_loads;
+    };
+    if constexpr (Config::kPersistentGrid) {
+      typename Config::TilePipeline::PipelineState tile_state;
+      for (;;) {
+        pipe_tile.consumer_wait(tile_state);
+        const int index = smem.tile_index[tile_state.index()];
+        pipe_tile.consumer_release(tile_state);
+        ++tile_state;
+        if (index >= p.args.num_tiles) break;
+        consume(index);
+      }
+    } else {
+      consume(0);
     }
   }
 #endif

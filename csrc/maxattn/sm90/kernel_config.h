@@ -25,11 +25,24 @@ namespace maxattn::sm90 {
 // Consumer loop variants: kPlain (S, softmax, PV in order), kOverlap (the
 // softmax of one key block overlaps P V of the previous), kPingPong (kOverlap,
 // and the two consumer warpgroups take turns issuing their GEMMs),
-// kPersistent (kOverlap in a persistent CTA that walks a tile sequence).
-// Instantiated: H=128 kPingPong, H=64 and H=256 kOverlap (sm90_attention.cu).
-// kPlain and kPersistent passed the harness for H=128 on the H200 but were
-// slower there, so they are not compiled (see NOTES.md).
-enum ConsumerVariant : int { kPlain = 0, kOverlap = 1, kPingPong = 2, kPersistent = 3 };
+// kPersistent / kPersistentPingPong (kOverlap / kPingPong in a persistent CTA
+// that takes its tiles one after another from a global counter,
+// tile_scheduler.h). Instantiated: H=128 kSm90H128Variant, H=64 and H=256
+// kOverlap (sm90_attention.cu). The others passed the harness for H=128 on the
+// H200 but were slower there, so they are not compiled (see NOTES.md).
+enum ConsumerVariant : int { kPlain = 0, kOverlap = 1, kPingPong = 2, kPersistent = 3, kPersistentPingPong = 4 };
+
+constexpr bool IsPersistent(int variant) { return variant == kPersistent || variant == kPersistentPingPong; }
+
+// The H=128 loop (the only head dim whose loop choice was measured to matter);
+// -DMAXATTN_SM90_H128_VARIANT=n overrides it for experiments.
+#ifndef MAXATTN_SM90_H128_VARIANT
+#define MAXATTN_SM90_H128_VARIANT kPersistentPingPong
+#endif
+constexpr int kSm90H128Variant = MAXATTN_SM90_H128_VARIANT;
+
+// Whether the kernel for a head dim takes its tiles from FwdArgs::tile_counter.
+constexpr bool UsesTileCounter(int head_dim) { return head_dim == 128 && IsPersistent(kSm90H128Variant); }
 
 // Keys per tile for a head dim (the host sizes the segment summaries with it).
 constexpr int KeyBlockSize(int head_dim) { return head_dim <= 128 ? 128 : 64; }
@@ -43,7 +56,10 @@ struct FwdConfig {
   using Element = Element_;
   static constexpr int kVariant = kVariant_;
   static constexpr bool kSoftcap = kSoftcap_;
-  static constexpr bool kPersistentGrid = kVariant == kPersistent;
+  static constexpr bool kPersistentGrid = IsPersistent(kVariant);
+  // The loop each tile runs.
+  static constexpr int kTileLoop = kVariant == kPersistent ? kOverlap
+                                   : kVariant == kPersistentPingPong ? kPingPong : kVariant;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
 
@@ -88,6 +104,9 @@ struct FwdConfig {
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
+  // Persistent grids: the producer thread hands each tile index to the
+  // consumers through two shared-memory slots.
+  using TilePipeline = cutlass::PipelineAsync<2>;
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
@@ -97,6 +116,8 @@ struct FwdConfig {
     alignas(16) typename Pipeline::SharedStorage pipe_v;
     alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_q;
     alignas(8) cutlass::arch::ClusterBarrier barrier_q_empty;
+    alignas(16) typename TilePipeline::SharedStorage pipe_tile;
+    int tile_index[2];
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");
@@ -123,6 +144,7 @@ struct FwdArgs {
   const int32_t* q_lens = nullptr;
   const int32_t* kv_lens = nullptr;
   const float* sink_logits = nullptr;  // [N] per-head sink logit (epilogue.h), or null
+  int* tile_counter = nullptr;  // persistent grids: tiles handed out after the first wave, zeroed per call
   // Segment ids [B, T] / [B, S] and their block summaries (segments.h), all
   // null without segment ids.
   const int32_t* q_segment_ids = nullptr;

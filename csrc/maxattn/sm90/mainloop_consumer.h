@@ -136,7 +136,9 @@ struct ConsumerMainloop {
         // turn to the other. Warpgroup 1 opens the first turn for warpgroup 0
         // and skips handing over after its last GEMM, so the arrivals on each
         // barrier match its waits.
-        constexpr bool kTurns = kVariant == kPingPong;  // (kPersistent: no turns)
+        // The turns balance within each tile, so a persistent CTA keeps them
+        // from tile to tile (fwd_kernel.h).
+        constexpr bool kTurns = kVariant == kPingPong;
         const int wg = consumer_tid / 128;
         if constexpr (kTurns) {
           if (wg == 1) NamedBarrierArrive(2, Config::kConsumerThreads);

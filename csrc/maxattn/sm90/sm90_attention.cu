@@ -78,9 +78,9 @@ Status DispatchHeadDim(const AttentionShape& shape, const sm90::FwdArgs& args, c
     case 64:
       return bf16 ? LaunchForward<64, cutlass::bfloat16_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream)
                   : LaunchForward<64, cutlass::half_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream);
-    case 128:  // ping-pong: fastest H=128 loop on the H200 (NOTES.md)
-      return bf16 ? LaunchForward<128, cutlass::bfloat16_t, sm90::kPingPong, kSoftcap>(args, q, k, v, stream)
-                  : LaunchForward<128, cutlass::half_t, sm90::kPingPong, kSoftcap>(args, q, k, v, stream);
+    case 128:  // the fastest H=128 loop on the H200 (kernel_config.h, NOTES.md)
+      return bf16 ? LaunchForward<128, cutlass::bfloat16_t, sm90::kSm90H128Variant, kSoftcap>(args, q, k, v, stream)
+                  : LaunchForward<128, cutlass::half_t, sm90::kSm90H128Variant, kSoftcap>(args, q, k, v, stream);
     case 256:
       return bf16 ? LaunchForward<256, cutlass::bfloat16_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream)
                   : LaunchForward<256, cutlass::half_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream);
@@ -95,20 +95,25 @@ Status Dispatch(const AttentionShape& shape, const sm90::FwdArgs& args, const At
                              : DispatchHeadDim<false>(shape, args, inputs, stream);
 }
 
-// The segment-id block summaries (segments.h) in scratch memory, enqueued on the stream.
-Status PrepareSegments(const AttentionShape& shape, const AttentionInputs& inputs, const DeviceContext& ctx,
-                       sm90::FwdArgs* args) {
+// Bytes of the segment-id block summaries (segments.h): key blocks, query blocks, run ends.
+struct SegmentScratch {
+  size_t key_bytes = 0, query_bytes = 0, run_bytes = 0;
+  size_t total() const { return key_bytes + query_bytes + run_bytes; }
+};
+
+SegmentScratch SegmentScratchFor(const AttentionShape& shape, const sm90::FwdArgs& args) {
+  SegmentScratch b;
+  b.key_bytes = static_cast<size_t>(shape.batch) * args.num_n_blocks * sizeof(sm90::KeyBlockIds);
+  b.query_bytes = static_cast<size_t>(shape.batch) * args.num_m_blocks * sizeof(sm90::QueryBlockKeys);
+  b.run_bytes = static_cast<size_t>(shape.batch) * shape.kv_len * sizeof(int32_t);
+  return b;
+}
+
+// The segment-id block summaries in `scratch` (16-byte aligned), enqueued on the stream.
+Status PrepareSegments(const AttentionShape& shape, const AttentionInputs& inputs, const SegmentScratch& bytes,
+                       void* scratch, cudaStream_t stream, sm90::FwdArgs* args) {
+  const size_t key_bytes = bytes.key_bytes, query_bytes = bytes.query_bytes;
   const int block_n = sm90::KeyBlockSize(static_cast<int>(shape.head_dim));
-  args->num_n_blocks = static_cast<int>((shape.kv_len + block_n - 1) / block_n);
-  const size_t key_bytes = static_cast<size_t>(shape.batch) * args->num_n_blocks * sizeof(sm90::KeyBlockIds);
-  const size_t query_bytes = static_cast<size_t>(shape.batch) * args->num_m_blocks * sizeof(sm90::QueryBlockKeys);
-  const size_t run_bytes = static_cast<size_t>(shape.batch) * shape.kv_len * sizeof(int32_t);
-  const size_t bytes = key_bytes + query_bytes + run_bytes;
-  void* scratch = ctx.allocate ? ctx.allocate(bytes) : nullptr;
-  if (scratch == nullptr) {
-    return Status::Internal("sm90 attention: could not allocate " + std::to_string(bytes) +
-                            " bytes of workspace for the segment-id summaries");
-  }
   sm90::SegmentSummaryArgs s;
   s.q_ids = inputs.q_segment_ids;
   s.kv_ids = inputs.kv_segment_ids;
@@ -127,7 +132,7 @@ Status PrepareSegments(const AttentionShape& shape, const AttentionInputs& input
   args->key_blocks = s.key_blocks;
   args->kv_run_end = s.kv_run_end;
   args->query_blocks = s.query_blocks;
-  return sm90::SummarizeSegments(s, ctx.stream);
+  return sm90::SummarizeSegments(s, stream);
 }
 
 Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs,
@@ -194,7 +199,31 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
         Cuda(cudaMemsetAsync(outputs.max_logit, kAtomicMaxEmptyByte, static_cast<size_t>(B * N) * 4, stream),
              "cudaMemsetAsync(max_logit)"));
   }
-  if (inputs.q_segment_ids != nullptr) MAXATTN_RETURN_IF_ERROR(PrepareSegments(shape, inputs, ctx, &args));
+  // Workspace, one block: the persistent grid's tile counter (16 bytes, zeroed
+  // on the stream), then the segment-id summaries.
+  const bool segments = inputs.q_segment_ids != nullptr;
+  const size_t counter_bytes = static_cast<size_t>(Sm90TileCounterBytes(shape.head_dim));
+  const bool counter = counter_bytes > 0;
+  const int block_n = sm90::KeyBlockSize(static_cast<int>(shape.head_dim));
+  args.num_n_blocks = static_cast<int>((S + block_n - 1) / block_n);
+  const SegmentScratch seg_bytes = segments ? SegmentScratchFor(shape, args) : SegmentScratch{};
+  const size_t scratch_bytes = counter_bytes + seg_bytes.total();
+  if (scratch_bytes > 0) {
+    char* scratch = static_cast<char*>(ctx.allocate ? ctx.allocate(scratch_bytes) : nullptr);
+    if (scratch == nullptr) {
+      return Status::Internal("sm90 attention: could not allocate " + std::to_string(scratch_bytes) +
+                              " bytes of workspace (tile counter and segment-id summaries)");
+    }
+    if (counter) {
+      args.tile_counter = reinterpret_cast<int*>(scratch);
+      MAXATTN_RETURN_IF_ERROR(
+          Cuda(cudaMemsetAsync(args.tile_counter, 0, sizeof(int), stream), "cudaMemsetAsync(tile counter)"));
+    }
+    if (segments) {
+      MAXATTN_RETURN_IF_ERROR(
+          PrepareSegments(shape, inputs, seg_bytes, scratch + counter_bytes, stream, &args));
+    }
+  }
   return Dispatch(shape, args, inputs, stream);
 }
 
@@ -241,6 +270,10 @@ std::optional<std::string> Sm90UnsupportedReason(const AttentionShape& shape, co
     return std::string("sm90 backend: q, k and v must be 16-byte aligned");
   }
   return std::nullopt;
+}
+
+int Sm90TileCounterBytes(int64_t head_dim) {
+  return sm90::UsesTileCounter(static_cast<int>(head_dim)) ? 16 : 0;
 }
 
 Status AttentionForwardSm90(const AttentionShape& shape, const AttentionOptions& options,

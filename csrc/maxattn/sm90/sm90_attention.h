@@ -29,11 +29,17 @@ std::optional<std::string> Sm90UnsupportedReason(const AttentionShape& shape, co
 // be ctx.device). Validates the call first; returns Unimplemented with the
 // reason for a call Sm90UnsupportedReason rejects, or when the device is not
 // compute capability 9.0. lse and max_logit are written only when their
-// pointers are non-null. ctx.allocate is called only with segment ids (their
-// summaries, segments.h: 16 bytes per query block and per key block and 4 per
-// key, of each batch row). Thread-safe; never throws.
+// pointers are non-null. ctx.allocate is called at most once per call, for
+// one block: Sm90TileCounterBytes(head_dim) bytes of the persistent grid's
+// tile counter, then with segment ids their summaries (segments.h: 16 bytes
+// per query block and per key block and 4 per key, of each batch row).
+// Thread-safe; never throws.
 Status AttentionForwardSm90(const AttentionShape& shape, const AttentionOptions& options,
                             const AttentionInputs& inputs, const ForwardOutputs& outputs, const DeviceContext& ctx);
+
+// 16 when the kernel for this head dim runs a persistent grid (its workspace
+// starts with the tile counter), else 0.
+int Sm90TileCounterBytes(int64_t head_dim);
 
 }  // namespace maxattn
 

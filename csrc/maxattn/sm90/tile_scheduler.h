@@ -1,6 +1,6 @@
 // maxattn sm90: which (query block, head, batch) tile a CTA works on.
 //
-// One CTA per tile (not yet persistent). The grid is (m_blocks, N, B) and the
+// Static: one CTA per tile. The grid is (m_blocks, N, B) and the
 // hardware dispatches blockIdx.x fastest, so all query blocks of one head run
 // side by side: each key/value block is read from DRAM once and served from L2
 // to the other query blocks (and, with GQA, to the heads of the same KV head,
@@ -42,12 +42,23 @@ struct StaticLongestFirstScheduler {
   }
 };
 
-// Persistent: at most one CTA per SM, each walking tiles blockIdx.x,
-// blockIdx.x + gridDim.x, ... of one sequence ordered like the static grid
-// (query block fastest, longest first for causal; then head; batch outermost).
+// Persistent: at most one CTA per SM over one tile sequence ordered like the
+// static grid (query block fastest, longest first for causal; then head; batch
+// outermost). CTA c starts with tile c; after that each CTA takes the next
+// unclaimed tile from a global counter (Next) when its producer has issued the
+// loads of the current one, so, as with the hardware's dispatch of a static
+// grid, tiles go to whichever CTA is free first: a fixed stride gave causal
+// CTAs unequal shares (tile lengths repeat with period num_m_blocks). The CTA
+// keeps its shared-memory pipelines across tiles, so the next tile's Q and K/V
+// loads overlap this tile's epilogue.
 struct PersistentLongestFirstScheduler {
   static dim3 Grid(const FwdArgs& args, int num_sms) {
     return dim3(static_cast<unsigned>(args.num_tiles < num_sms ? args.num_tiles : num_sms));
+  }
+
+  // The index of this CTA's next tile (>= num_tiles: none left).
+  __device__ static int Next(const FwdArgs& args) {
+    return static_cast<int>(gridDim.x) + atomicAdd(args.tile_counter, 1);
   }
 
   __device__ static Tile Get(const FwdArgs& args, int index) {
