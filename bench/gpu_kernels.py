@@ -1,4 +1,4 @@
-"""Device-side cost of max_logit: per-kernel GPU times from Nsight Compute.
+"""Device time per call, kernel by kernel, from Nsight Compute: the cost of max_logit, and ours vs FA3.
 
 Wall-clock timing of back-to-back calls (bench/gpu.py) spreads by 10-50% on
 the shared H200, more than the 2% overhead target. This script measures what
@@ -9,9 +9,14 @@ the GPU itself spends: each variant runs in its own process under
 with the profiler started (cudaProfilerStart via CuPy) only around `--calls`
 warm calls, so compilation and warm-up are not counted. ncu serialises the
 kernels, so the sums exclude launch gaps; they are the device time of every
-kernel a call launches (cuDNN's, ours and XLA's), split by origin.
+kernel a call launches (the attention kernel, our helpers and XLA's), split by
+origin. The "fa3" variant runs FlashAttention-3's forward (flash-attn3-jax
+flash_mha, when installed) on the same inputs, so its kernel time sits next to
+ours in one run; the gap between these sums and bench/gpu.py's wall clock is
+launch and dispatch cost.
 
-Usage (on the GPU machine): python bench/gpu_kernels.py [--calls 5] [--json out.json]
+Usage (on the GPU machine):
+    python bench/gpu_kernels.py [--impl cudnn|sm90] [--calls 5] [--shapes 0,1] [--fa3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ VARIANTS = {  # name: (return_lse, return_max_logit)
     "fwd+lse": (True, False),
     "fwd+lse+max": (True, True),
 }
-SHAPES = [(4, 2048, 32, 32, 128, True), (8, 2048, 16, 16, 64, True), (2, 8192, 16, 16, 128, True)]
+# The first three keep their indices (tools/gpu_check.sh's KERNEL_SHAPES); the rest are bench/gpu.py's rows.
+SHAPES = [(4, 2048, 32, 32, 128, True), (8, 2048, 16, 16, 64, True), (2, 8192, 16, 16, 128, True),
+          (4, 2048, 32, 32, 128, False), (4, 4096, 32, 8, 128, True)]
 
 
-def _child(variant: str, shape_index: int, calls: int) -> None:
+def _child(variant: str, shape_index: int, calls: int, impl: str) -> None:
     import cupy
     import jax
     import jax.numpy as jnp
@@ -41,16 +48,24 @@ def _child(variant: str, shape_index: int, calls: int) -> None:
     import maxattn
 
     B, T, N, K, H, causal = SHAPES[shape_index]
-    want_lse, want_max = VARIANTS[variant]
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
     k = jax.random.normal(keys[1], (B, T, K, H), jnp.bfloat16)
     v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
 
-    @jax.jit
-    def fn(q, k, v):
-        return maxattn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn",
-                                             return_lse=want_lse, return_max_logit=want_max)
+    if variant == "fa3":
+        from flash_attn3_jax import flash_mha
+
+        @jax.jit
+        def fn(q, k, v):
+            return flash_mha(q, k, v, softmax_scale=H ** -0.5, is_causal=causal)
+    else:
+        want_lse, want_max = VARIANTS[variant]
+
+        @jax.jit
+        def fn(q, k, v):
+            return maxattn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl,
+                                                 return_lse=want_lse, return_max_logit=want_max)
 
     for _ in range(3):
         jax.block_until_ready(fn(q, k, v))
@@ -61,17 +76,21 @@ def _child(variant: str, shape_index: int, calls: int) -> None:
 
 
 def _origin(name: str) -> str:
+    """"attention" (the attention kernel: cuDNN's, our sm90 FwdKernel, FA3's), "maxattn" (our helper
+    kernels) or "xla"."""
+    if "FwdKernel" in name:
+        return "attention"
     if "maxattn" in name or "Finalize" in name or "ScaleRows" in name or "SinkRow" in name:
         return "maxattn"
     if name.startswith(("cudnn", "sm90", "sm80", "cutlass")) or "cudnn" in name or "flash" in name.lower():
-        return "cudnn"
+        return "attention"
     return "xla"
 
 
-def _profile(variant: str, shape_index: int, calls: int) -> dict:
+def _profile(variant: str, shape_index: int, calls: int, impl: str) -> dict:
     cmd = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
            "--csv", "--print-units", "base", sys.executable, __file__, "--child", variant, str(shape_index),
-           str(calls)]
+           str(calls), impl]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     rows = [line for line in res.stdout.splitlines() if line.startswith('"')]
@@ -94,23 +113,28 @@ def _profile(variant: str, shape_index: int, calls: int) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--shapes", default="0,1", help="indices into SHAPES")
+    parser.add_argument("--impl", default="cudnn", help="maxattn implementation (cudnn or sm90)")
+    parser.add_argument("--fa3", action="store_true", help="also profile FA3's forward (flash-attn3-jax)")
     parser.add_argument("--json")
     args = parser.parse_args()
     results = {}
-    print("| B | T | N | K | H | variant | GPU µs/call | cuDNN µs | maxattn µs | XLA µs | kernels/call | vs fwd | vs fwd+lse |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    variants = list(VARIANTS) + (["fa3"] if args.fa3 else [])
+    print(f"# impl {args.impl}; device time per call (ncu --clock-control none, {args.calls} calls)")
+    print("| B | T | N | K | H | causal | variant | GPU µs/call | attention µs | maxattn µs | XLA µs | kernels/call "
+          "| vs fwd | vs fwd+lse |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for si in (int(s) for s in args.shapes.split(",")):
         B, T, N, K, H, causal = SHAPES[si]
-        row = {v: _profile(v, si, args.calls) for v in VARIANTS}
-        results[str(SHAPES[si])] = row
+        row = {v: _profile(v, si, args.calls, args.impl) for v in variants}
+        results[str(SHAPES[si])] = dict(row, impl=args.impl)
         for v, r in row.items():
             if "error" in r:
-                print(f"| {B} | {T} | {N} | {K} | {H} | {v} | error: {r['error'][-300:]!r} |")
+                print(f"| {B} | {T} | {N} | {K} | {H} | {causal} | {v} | error: {r['error'][-300:]!r} |")
                 continue
             o = r["by_origin_us"]
 
@@ -118,7 +142,8 @@ def main() -> None:
                 b = row[base].get("us_per_call")
                 return f"{(r['us_per_call'] / b - 1) * 100:+.2f}%" if b else "—"
 
-            print(f"| {B} | {T} | {N} | {K} | {H} | {v} | {r['us_per_call']:.1f} | {o.get('cudnn', 0):.1f} | "
+            print(f"| {B} | {T} | {N} | {K} | {H} | {causal} | {v} | {r['us_per_call']:.1f} | "
+                  f"{o.get('attention', 0):.1f} | "
                   f"{o.get('maxattn', 0):.1f} | {o.get('xla', 0):.1f} | {r['kernels_per_call']:.0f} | {rel('fwd')} | "
                   f"{rel('fwd+lse')} |")
         for v, r in row.items():
