@@ -36,106 +36,13 @@
 
 #include "maxattn/attention.h"
 #include "maxattn/sm90/sm90_attention.h"
+#include "harness_common.h"
 
 namespace {
 
-using maxattn::AttentionInputs;
-using maxattn::AttentionOptions;
-using maxattn::AttentionShape;
-using maxattn::CausalAlignment;
-using maxattn::DType;
+using namespace harness;
 using maxattn::ForwardOutputs;
 using maxattn::Status;
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr float kInf32 = std::numeric_limits<float>::infinity();
-
-#define CUDA_OK(expr)                                                                          \
-  do {                                                                                         \
-    cudaError_t e_ = (expr);                                                                   \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__,     \
-                   __LINE__, cudaGetErrorString(e_));                                          \
-      std::exit(2);                                                                            \
-    }                                                                                          \
-  } while (0)
-
-struct Case {
-  Case(std::string name_, int B_, int T_, int S_, int N_, int K_, int H_, DType dtype_ = DType::kBFloat16,
-       bool causal_ = false, bool bottom_right_ = false, int wl_ = -1, int wr_ = -1)
-      : name(std::move(name_)), B(B_), T(T_), S(S_), N(N_), K(K_), H(H_), dtype(dtype_), causal(causal_),
-        bottom_right(bottom_right_), wl(wl_), wr(wr_) {}
-  std::string name;
-  int B, T, S, N, K, H;
-  DType dtype;
-  bool causal;
-  bool bottom_right;
-  int wl, wr;
-  std::vector<int> q_lens, kv_lens;  // empty: none
-  bool spike = false;                // one large logit in the last batch row
-  bool nan = false;                  // one NaN in a query row of batch 0, head N-1
-  float softcap = 0.0f;              // > 0: logit soft cap
-  float q_gain = 1.0f;               // q drawn from [-q_gain, q_gain] (large logits for the soft cap)
-  std::vector<int> q_seg, kv_seg;    // segment ids [B*T], [B*S] (0 = padding); empty: none
-  std::vector<float> sink;           // per-head sink logits [N]; empty: vanilla softmax
-};
-
-// One batch row of segment ids: runs of the given lengths with ids first, first + 1, ...
-// (an id of 0 in `ids` instead marks that run as padding), each row appended to `out`.
-void AppendRuns(std::vector<int>& out, const std::vector<int>& lengths, const std::vector<int>& ids) {
-  for (size_t r = 0; r < lengths.size(); ++r) out.insert(out.end(), lengths[r], ids[r]);
-}
-
-uint16_t ToBits(float x, DType t) {
-  if (t == DType::kBFloat16) {
-    const __nv_bfloat16_raw r = __float2bfloat16_rn(x);
-    return r.x;
-  }
-  const __half_raw r = __float2half_rn(x);
-  return r.x;
-}
-
-float FromBits(uint16_t u, DType t) {
-  if (t == DType::kBFloat16) {
-    __nv_bfloat16_raw r;
-    r.x = u;
-    return __bfloat162float(__nv_bfloat16(r));
-  }
-  __half_raw r;
-  r.x = u;
-  return __half2float(__half(r));
-}
-
-struct Visibility {
-  int q_valid, kv_valid, d;
-  bool causal;
-  int wl, wr;
-  const int* qs = nullptr;  // this row's segment ids, or null
-  const int* ks = nullptr;
-  bool operator()(int i, int j) const {
-    if (i >= q_valid || j >= kv_valid) return false;
-    if (qs != nullptr && (qs[i] == 0 || qs[i] != ks[j])) return false;
-    if (causal && j > i + d) return false;
-    if (wl >= 0 && j < i + d - wl) return false;
-    if (wr >= 0 && j > i + d + wr) return false;
-    return true;
-  }
-};
-
-Visibility VisFor(const Case& c, int b) {
-  Visibility v;
-  v.q_valid = c.q_lens.empty() ? c.T : std::min(std::max(c.q_lens[b], 0), c.T);
-  v.kv_valid = c.kv_lens.empty() ? c.S : std::min(std::max(c.kv_lens[b], 0), c.S);
-  v.d = c.bottom_right ? v.kv_valid - v.q_valid : 0;
-  v.causal = c.causal;
-  v.wl = c.wl;
-  v.wr = c.wr;
-  if (!c.q_seg.empty()) {
-    v.qs = c.q_seg.data() + static_cast<size_t>(b) * c.T;
-    v.ks = c.kv_seg.data() + static_cast<size_t>(b) * c.S;
-  }
-  return v;
-}
 
 struct Reference {
   std::vector<double> out, lse, max_logit;
@@ -200,151 +107,24 @@ Reference ComputeReference(const Case& c, const std::vector<float>& q, const std
     }
     r.max_logit[static_cast<size_t>(b) * N + n] = head_nan ? std::nan("") : head_max;
   };
-  const int jobs = B * N;
-  const int nthreads = std::max(1u, std::min(std::thread::hardware_concurrency(), 64u));
-  std::vector<std::thread> pool;
-  for (int t = 0; t < nthreads; ++t) {
-    pool.emplace_back([&, t] {
-      for (int bn = t; bn < jobs; bn += nthreads) work(bn);
-    });
-  }
-  for (auto& th : pool) th.join();
+  ParallelFor(B * N, work);
   return r;
 }
 
-template <class T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t count = 0;
-  explicit DeviceBuffer(size_t n) : count(n) {
-    if (n) CUDA_OK(cudaMalloc(&ptr, n * sizeof(T)));
-  }
-  ~DeviceBuffer() {
-    if (ptr) cudaFree(ptr);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  size_t bytes() const { return count * sizeof(T); }
-};
-
-// The workspace the library asks for (DeviceContext::allocate): one block, reused by later
-// calls on the same stream (they run in order) and grown when a call asks for more.
-struct ScratchArena {
-  void* block = nullptr;
-  size_t size = 0;
-  ScratchArena() = default;
-  ScratchArena(const ScratchArena&) = delete;
-  ScratchArena& operator=(const ScratchArena&) = delete;
-  ~ScratchArena() {
-    if (block != nullptr) {
-      cudaDeviceSynchronize();
-      cudaFree(block);
-    }
-  }
-  maxattn::DeviceContext Context() {
-    maxattn::DeviceContext ctx;
-    ctx.allocate = [this](size_t bytes) -> void* {
-      if (bytes > size) {
-        if (block != nullptr) {
-          cudaDeviceSynchronize();
-          cudaFree(block);
-        }
-        block = nullptr;
-        size = 0;
-        if (cudaMalloc(&block, bytes) != cudaSuccess) return nullptr;
-        size = bytes;
-      }
-      return block;
-    };
-    return ctx;
-  }
-};
-
-const char* DTypeName(DType t) { return t == DType::kBFloat16 ? "bf16" : "fp16"; }
-
 bool RunCase(const Case& c, uint64_t seed) {
-  const int B = c.B, T = c.T, S = c.S, N = c.N, K = c.K, H = c.H;
+  const int B = c.B, T = c.T, S = c.S, N = c.N, H = c.H;
   std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
-  const size_t nq = static_cast<size_t>(B) * T * N * H, nk = static_cast<size_t>(B) * S * K * H;
-  std::vector<uint16_t> hq(nq), hk(nk), hv(nk);
-  std::vector<float> fq(nq), fk(nk), fv(nk);
-  auto draw = [&](std::vector<uint16_t>& bits, std::vector<float>& f) {
-    for (size_t i = 0; i < bits.size(); ++i) {
-      bits[i] = ToBits(uni(rng), c.dtype);
-      f[i] = FromBits(bits[i], c.dtype);
-    }
-  };
-  draw(hq, fq);
-  if (c.q_gain != 1.0f) {
-    for (size_t i = 0; i < hq.size(); ++i) {
-      hq[i] = ToBits(fq[i] * c.q_gain, c.dtype);
-      fq[i] = FromBits(hq[i], c.dtype);
-    }
-  }
-  draw(hk, fk);
-  draw(hv, fv);
-  const int G = N / K;
-  if (c.spike) {  // q row = 3 * a visible k row: a logit far above the rest, in batch row B-1 only
-    const int b = B - 1, n = N / 2;
-    const Visibility vis = VisFor(c, b);
-    for (int i = vis.q_valid - 1; i >= 0; --i) {
-      int j0 = -1;
-      for (int j = 0; j < S && j0 < 0; ++j) if (vis(i, j)) j0 = j;
-      if (j0 < 0) continue;
-      for (int h = 0; h < H; ++h) {
-        const size_t qi = ((static_cast<size_t>(b) * T + i) * N + n) * H + h;
-        const size_t ki = ((static_cast<size_t>(b) * S + j0) * K + n / G) * H + h;
-        hq[qi] = ToBits(3.0f * fk[ki], c.dtype);
-        fq[qi] = FromBits(hq[qi], c.dtype);
-      }
-      break;
-    }
-  }
-  if (c.nan) {
-    const int b = 0, n = N - 1;
-    const Visibility vis = VisFor(c, b);
-    const int i = vis.q_valid / 2;
-    const size_t qi = ((static_cast<size_t>(b) * T + i) * N + n) * H + 3;
-    hq[qi] = ToBits(std::nanf(""), c.dtype);
-    fq[qi] = std::nanf("");
-  }
-  const double scale = 1.0 / std::sqrt(static_cast<double>(H));
-  const Reference ref = ComputeReference(c, fq, fk, fv, static_cast<float>(scale));
+  const HostInputs host = DrawInputs(c, rng);
+  const size_t nq = host.q.size();
+  const double scale = DeviceCall::Scale(c);
+  const Reference ref = ComputeReference(c, host.q, host.k, host.v, static_cast<float>(scale));
 
-  DeviceBuffer<uint16_t> dq(nq), dk(nk), dv(nk), dout(nq), dout2(nq);
+  DeviceCall call(c, host);
+  const AttentionShape& shape = call.shape;
+  const AttentionOptions& opt = call.options;
+  const AttentionInputs& in = call.inputs;
+  DeviceBuffer<uint16_t> dout(nq), dout2(nq);
   DeviceBuffer<float> dlse(static_cast<size_t>(B) * N * T), dmax(static_cast<size_t>(B) * N);
-  DeviceBuffer<int32_t> dql(c.q_lens.size()), dkl(c.kv_lens.size());
-  DeviceBuffer<int32_t> dqs(c.q_seg.size()), dks(c.kv_seg.size());
-  if (!c.q_seg.empty()) CUDA_OK(cudaMemcpy(dqs.ptr, c.q_seg.data(), dqs.bytes(), cudaMemcpyHostToDevice));
-  if (!c.kv_seg.empty()) CUDA_OK(cudaMemcpy(dks.ptr, c.kv_seg.data(), dks.bytes(), cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(dq.ptr, hq.data(), dq.bytes(), cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(dk.ptr, hk.data(), dk.bytes(), cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(dv.ptr, hv.data(), dv.bytes(), cudaMemcpyHostToDevice));
-  if (!c.q_lens.empty()) CUDA_OK(cudaMemcpy(dql.ptr, c.q_lens.data(), dql.bytes(), cudaMemcpyHostToDevice));
-  if (!c.kv_lens.empty()) CUDA_OK(cudaMemcpy(dkl.ptr, c.kv_lens.data(), dkl.bytes(), cudaMemcpyHostToDevice));
-
-  AttentionShape shape;
-  shape.batch = B; shape.q_len = T; shape.kv_len = S; shape.num_q_heads = N; shape.num_kv_heads = K;
-  shape.head_dim = H; shape.head_dim_v = H;
-  AttentionOptions opt;
-  opt.scale = static_cast<float>(scale);
-  opt.causal = c.causal;
-  opt.alignment = c.bottom_right ? CausalAlignment::kBottomRight : CausalAlignment::kTopLeft;
-  opt.window_left = c.wl;
-  opt.window_right = c.wr;
-  opt.softcap = c.softcap;
-  AttentionInputs in;
-  in.dtype = c.dtype; in.q = dq.ptr; in.k = dk.ptr; in.v = dv.ptr;
-  in.q_seq_lengths = c.q_lens.empty() ? nullptr : dql.ptr;
-  in.kv_seq_lengths = c.kv_lens.empty() ? nullptr : dkl.ptr;
-  in.q_segment_ids = c.q_seg.empty() ? nullptr : dqs.ptr;
-  in.kv_segment_ids = c.kv_seg.empty() ? nullptr : dks.ptr;
-  DeviceBuffer<float> dsink(c.sink.size());
-  if (!c.sink.empty()) {
-    CUDA_OK(cudaMemcpy(dsink.ptr, c.sink.data(), dsink.bytes(), cudaMemcpyHostToDevice));
-    in.sink_logits = dsink.ptr;
-  }
 
   if (auto reason = maxattn::Sm90UnsupportedReason(shape, opt, in)) {
     std::printf("FAIL %-34s unsupported: %s\n", c.name.c_str(), reason->c_str());
@@ -676,22 +456,6 @@ std::vector<Case> SmallCases() {
   s.sink = {0.5f, -2.0f};  // and sinks (epilogue)
   v.push_back(s);
   return v;
-}
-
-__global__ void RandomFill(uint16_t* x, size_t n, uint32_t seed, bool bf16) {
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
-    const float f = (h & 0xffffff) * (2.0f / 16777216.0f) - 1.0f;
-    if (bf16) {
-      const __nv_bfloat16_raw r = __float2bfloat16_rn(f);
-      x[i] = r.x;
-    } else {
-      const __half_raw r = __float2half_rn(f);
-      x[i] = r.x;
-    }
-  }
 }
 
 // softcap > 0: a logit soft cap; docs > 0: segment ids with `docs` equal documents per row

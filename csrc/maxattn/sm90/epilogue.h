@@ -19,6 +19,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include "maxattn/float_max.cuh"
+#include "maxattn/sm90/barrier.h"
 #include "maxattn/sm90/kernel_config.h"
 #include "maxattn/sm90/mask.h"
 #include "maxattn/sm90/tile_scheduler.h"
@@ -27,16 +28,6 @@ namespace maxattn::sm90 {
 
 using ::maxattn::AtomicMaxFloat;
 using ::maxattn::NanMax;
-
-// Named barriers among the consumer warpgroups: 2 and 3 for the ping-pong
-// turns (mainloop_consumer.h).
-__device__ __forceinline__ void NamedBarrierSync(int id, int num_threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
-}
-
-__device__ __forceinline__ void NamedBarrierArrive(int id, int num_threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
-}
 
 template <class Config>
 struct Epilogue {

@@ -16,6 +16,7 @@
 #include "maxattn/sm90/mainloop_consumer.h"
 #include "maxattn/sm90/mainloop_producer.h"
 #include "maxattn/sm90/mask.h"
+#include "maxattn/sm90/problem.h"
 #include "maxattn/sm90/tile_scheduler.h"
 
 namespace maxattn::sm90 {
@@ -120,12 +121,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
     }
   }
 #endif
-}
-
-inline Status CudaStatus(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Status::Ok();
-  return Status::Internal(std::string("sm90 attention: ") + what + ": " + cudaGetErrorName(err) + " (" +
-                          cudaGetErrorString(err) + ")");
 }
 
 template <int kHeadDim, class Element, int kVariant, bool kSoftcap>

@@ -49,6 +49,13 @@ constexpr bool UsesTileCounter(int head_dim) { return head_dim == 128 && IsPersi
 constexpr int KeyBlockSize(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 constexpr int kQueryBlockSize = 128;
 
+// Global tensors seen by TMA: (sequence, head dim, head, batch), head dim contiguous.
+using GmemLayout = cute::Layout<cute::Shape<int32_t, int32_t, int32_t, int32_t>,
+                                cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
+template <class Element>
+using GmemTensorOf =
+    decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}));
+
 // kSoftcap_: the logit soft cap's softmax (softmax.h). Its own instance, so
 // that the plain kernel keeps its registers (one kernel with both loops
 // spilled at H=128).
@@ -123,12 +130,7 @@ struct FwdConfig {
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");
 
-  // Global tensors seen by TMA: (sequence, head dim, head, batch), head dim contiguous.
-  using GmemShape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
-  using GmemStride = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
-  using GmemLayout = cute::Layout<GmemShape, GmemStride>;
-  using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                                GmemLayout{}));
+  using GmemTensor = GmemTensorOf<Element>;
   using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
                                             cute::Shape<BlockM, HeadDim>{}, cute::_1{}));
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
@@ -136,27 +138,26 @@ struct FwdConfig {
                                              cute::Shape<BlockN, HeadDim>{}, cute::_1{}));
 };
 
-// Run-time arguments shared by every instance (the TMA descriptors are added
-// per instance in FwdParams).
-struct FwdArgs {
-  void* out = nullptr;          // [B, T, N, H]
-  float* lse = nullptr;         // [B, N, T] or null
-  float* max_logit = nullptr;   // [B, N] or null; pre-filled with float_max.cuh's sentinel
+// The problem every kernel of this backend (forward and backward) sees: sizes,
+// the visibility rule's inputs (mask.h) and the softmax scales. Set on the host,
+// read by BlockMask; the direction-specific records below extend it.
+struct ProblemArgs {
   const int32_t* q_lens = nullptr;
   const int32_t* kv_lens = nullptr;
-  const float* sink_logits = nullptr;  // [N] per-head sink logit (epilogue.h), or null
-  int* tile_counter = nullptr;  // persistent grids: tiles handed out after the first wave, zeroed per call
   // Segment ids [B, T] / [B, S] and their block summaries (segments.h), all
-  // null without segment ids.
+  // null without segment ids. The summaries are made for the tile sizes of the
+  // kernel that reads them.
   const int32_t* q_segment_ids = nullptr;
   const int32_t* kv_segment_ids = nullptr;
   const int32_t* kv_run_end = nullptr;           // [B, S]
   const KeyBlockIds* key_blocks = nullptr;        // [B, num_n_blocks]
   const QueryBlockKeys* query_blocks = nullptr;   // [B, num_m_blocks]
-  int num_n_blocks = 0;
+  const KeyBlockQueries* key_block_queries = nullptr;  // [B, num_n_blocks] (backward)
+  int block_m = 0;           // the kernel's query tile (rows of S)
+  int block_n = 0;           // the kernel's key tile (columns of S)
+  int num_m_blocks = 0;      // ceil(T / block_m)
+  int num_n_blocks = 0;      // ceil(S / block_n)
   int batch = 0, q_len = 0, kv_len = 0, heads = 0, kv_heads = 0, group = 1;
-  int num_m_blocks = 0;
-  int num_tiles = 0;         // num_m_blocks * heads * batch
   float scale = 1.0f;        // > 0
   float scale_log2 = 1.0f;   // scale * log2(e)
   float softcap = 0.0f;      // > 0: logits are softcap * tanh(s / softcap) (softmax.h)
@@ -166,6 +167,17 @@ struct FwdArgs {
   bool bottom_right = false;
   int window_left = -1;      // < 0: unbounded (clamped on the host to T + S)
   int window_right = -1;
+};
+
+// Run-time arguments of the forward instances (the TMA descriptors are added
+// per instance in FwdParams).
+struct FwdArgs : ProblemArgs {
+  void* out = nullptr;          // [B, T, N, H]
+  float* lse = nullptr;         // [B, N, T] or null
+  float* max_logit = nullptr;   // [B, N] or null; pre-filled with float_max.cuh's sentinel
+  const float* sink_logits = nullptr;  // [N] per-head sink logit (epilogue.h), or null
+  int* tile_counter = nullptr;  // persistent grids: tiles handed out after the first wave, zeroed per call
+  int num_tiles = 0;            // num_m_blocks * heads * batch
 };
 
 template <class Config>

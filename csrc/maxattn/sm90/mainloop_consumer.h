@@ -10,30 +10,13 @@
 #include <cutlass/numeric_conversion.h>
 
 #include "maxattn/sm90/epilogue.h"
+#include "maxattn/sm90/gemm.h"
 #include "maxattn/sm90/kernel_config.h"
 #include "maxattn/sm90/mask.h"
 #include "maxattn/sm90/softmax.h"
 #include "maxattn/sm90/tile_scheduler.h"
 
 namespace maxattn::sm90 {
-
-// Issues one warpgroup-wide GEMM over the K mode of the fragments
-// (asynchronous: the caller waits with warpgroup_wait<n>() and then fences
-// the accumulator before touching it).
-template <bool kZeroInit, bool kARegisters, class TiledMma, class TensorA, class TensorB, class TensorC>
-__device__ __forceinline__ void IssueGemm(TiledMma& mma, TensorA& a, const TensorB& b, TensorC& c) {
-  using namespace cute;
-  if constexpr (kARegisters) warpgroup_fence_operand(a);
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(a); ++k) {
-    gemm(mma, a(_, _, k), b(_, _, k), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-}
 
 template <class TensorS, class TensorP, class Convert>
 __device__ __forceinline__ void ConvertP(const TensorS& s, TensorP& p, Convert& convert) {

@@ -7,10 +7,18 @@
 //                   && (no segment ids || (qseg[i] != 0 && qseg[i] == kvseg[j])).
 // Segment ids narrow the key-block range through the pre-pass summaries and
 // are compared element-wise only where a tile is not one id on both sides
-// (segments.h). Rows i >= q_valid are not masked here: the epilogue writes them as fully
-// masked (out 0, lse -inf) and leaves them out of max_logit.
+// (segments.h). Rows i >= q_valid are not masked by Apply: the forward's epilogue writes them
+// as fully masked (out 0, lse -inf) and leaves them out of max_logit. The backward masks them
+// (ApplyTransposed), and its pre-pass gives them an lse of +inf as well.
+//
+// The forward walks the key blocks of one query block (KeyBlockRange, Apply on S with
+// queries as rows); the backward walks the query blocks of one key block (QueryBlockRange,
+// ApplyTransposed on S^T with keys as rows). Both read the same fields, so the rule has
+// one owner.
 #ifndef MAXATTN_SM90_MASK_H_
 #define MAXATTN_SM90_MASK_H_
+
+#include <climits>
 
 #include <cute/tensor.hpp>
 
@@ -36,13 +44,23 @@ struct BlockMask {
   int batch = 0;
   QueryBlockKeys q_block{0, 0, 0, 0};
 
-  __device__ static BlockMask Make(const FwdArgs& args, int batch, int m_block) {
+  // The mask of a query block (its segment summary included).
+  __device__ static BlockMask Make(const ProblemArgs& args, int batch, int m_block) {
+    return MakeRow(args, batch).ForQueryBlock(args, m_block);
+  }
+
+  // This row's mask for one of its query blocks.
+  __device__ BlockMask ForQueryBlock(const ProblemArgs& args, int m_block) const {
+    BlockMask m = *this;
+    if (m.segments) m.q_block = args.query_blocks[static_cast<int64_t>(batch) * args.num_m_blocks + m_block];
+    return m;
+  }
+
+  // The mask of a batch row, without a query block's summary.
+  __device__ static BlockMask MakeRow(const ProblemArgs& args, int batch) {
     BlockMask m;
     m.batch = batch;
-    if (args.q_segment_ids != nullptr) {
-      m.segments = true;
-      m.q_block = args.query_blocks[static_cast<int64_t>(batch) * args.num_m_blocks + m_block];
-    }
+    m.segments = args.q_segment_ids != nullptr;
     m.q_valid = args.q_len;
     m.kv_valid = args.kv_len;
     if (args.q_lens != nullptr) m.q_valid = min(max(args.q_lens[batch], 0), args.q_len);
@@ -78,9 +96,34 @@ struct BlockMask {
     *hi = n_hi;
   }
 
+  // Query blocks [lo, hi) with a valid row that sees some key of the key block
+  // starting at n0 (the dual of KeyBlockRange). Empty when nothing does.
+  template <int kBlockM, int kBlockN>
+  __device__ void QueryBlockRange(const ProblemArgs& args, int n0, int* lo, int* hi) const {
+    *lo = 0;
+    *hi = 0;
+    if (n0 >= kv_valid || q_valid <= 0) return;
+    const int j_max = min(n0 + kBlockN, kv_valid) - 1;
+    int i_lo = 0;                       // first row that sees a key of the block
+    if (causal) i_lo = max(i_lo, n0 - diag);
+    if (window_right >= 0) i_lo = max(i_lo, n0 - diag - window_right);
+    int i_hi = q_valid - 1;             // last one
+    if (window_left >= 0) i_hi = min(i_hi, j_max - diag + window_left);
+    if (i_hi < i_lo) return;
+    int m_lo = i_lo / kBlockM, m_hi = i_hi / kBlockM + 1;
+    if (segments) {
+      const KeyBlockQueries k = args.key_block_queries[static_cast<int64_t>(batch) * args.num_n_blocks + n0 / kBlockN];
+      m_lo = max(m_lo, k.m_lo);
+      m_hi = min(m_hi, k.m_hi);
+      if (m_hi <= m_lo) return;
+    }
+    *lo = m_lo;
+    *hi = m_hi;
+  }
+
   // True when some entry of the (m0, n0) tile must be masked element-wise.
   template <int kBlockM, int kBlockN>
-  __device__ bool TileNeedsMask(const FwdArgs& args, int m0, int n0) const {
+  __device__ bool TileNeedsMask(const ProblemArgs& args, int m0, int n0) const {
     const int i_max = m0 + kBlockM - 1;
     const int j_max = n0 + kBlockN - 1;
     bool need = j_max >= kv_valid;
@@ -98,7 +141,7 @@ struct BlockMask {
   // coords holds the (row, col) of each element inside the tile; a column's
   // position is the same in every row of the view.
   template <int kBlockN, class TensorS, class TensorC>
-  __device__ void Apply(const FwdArgs& args, TensorS& s, const TensorC& coords, int m0, int n0) const {
+  __device__ void Apply(const ProblemArgs& args, TensorS& s, const TensorC& coords, int m0, int n0) const {
     using namespace cute;
     constexpr int kRows = decltype(size<0>(s))::value;
     int j_lo[kRows], j_hi[kRows], id[kRows];
@@ -142,6 +185,45 @@ struct BlockMask {
           }
         }
         run = run_next;
+      }
+    }
+  }
+
+  // Apply for S^T: a (row, col) view whose rows are keys and columns queries
+  // (the backward's tile), coords holding each element's (key, query) in the
+  // tile. The same rule from the key's side: row j sees the queries
+  // [i_lo(j), i_hi(j)] (causal: i >= j - d; window: j - d - wr <= i <=
+  // j - d + wl), none when j >= kv_valid, and no query i >= q_valid (unlike
+  // Apply: the backward has no epilogue that drops those rows); with segment
+  // ids the query's id must be the key's, and not 0. The ids of a key are
+  // loaded once per row, those of a query once per column (only tiles on a
+  // segment boundary get here).
+  template <class TensorS, class TensorC>
+  __device__ void ApplyTransposed(const ProblemArgs& args, TensorS& s, const TensorC& coords, int m0, int n0) const {
+    using namespace cute;
+    constexpr int kRows = decltype(size<0>(s))::value;
+    int i_lo[kRows], i_hi[kRows], id[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int j = n0 + get<0>(coords(r, 0));
+      i_lo[r] = causal ? j - diag : INT_MIN;
+      if (window_right >= 0) i_lo[r] = max(i_lo[r], j - diag - window_right);
+      i_hi[r] = window_left >= 0 ? j - diag + window_left : INT_MAX;
+      if (j >= kv_valid) i_hi[r] = INT_MIN;
+      if (segments) {
+        id[r] = j < kv_valid ? __ldg(args.kv_segment_ids + static_cast<int64_t>(batch) * args.kv_len + j) : 0;
+      }
+    }
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      const int i = m0 + get<1>(coords(0, c));
+      int q_id = 0;
+      if (segments) q_id = i < q_valid ? __ldg(args.q_segment_ids + static_cast<int64_t>(batch) * args.q_len + i) : 0;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        bool hidden = i < i_lo[r] || i > i_hi[r] || i >= q_valid;
+        if (segments) hidden |= q_id == 0 || q_id != id[r];
+        if (hidden) s(r, c) = -INFINITY;
       }
     }
   }

@@ -1,7 +1,8 @@
 // maxattn sm90: the segment-id pre-pass of segments.h. One warp per block of
 // keys (summary and run ends), then one per block of queries, which scans the
-// key summaries of its row: O(ceil(T / 128) * ceil(S / kBlockN)) comparisons
-// per row.
+// key summaries of its row: O(ceil(T / block_m) * ceil(S / block_n))
+// comparisons per row; for the backward, one more per key block scanning the
+// query summaries.
 #include "maxattn/sm90/segments.h"
 
 #include <climits>
@@ -116,6 +117,28 @@ __global__ void QueryBlocksKernel(SegmentSummaryArgs a, int num_m_blocks, int nu
   }
 }
 
+// For each key block, the hull of the query blocks whose key range holds it.
+__global__ void KeyBlockQueriesKernel(SegmentSummaryArgs a, int num_m_blocks, int num_n_blocks) {
+  const int nb = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x / 32);
+  const int b = static_cast<int>(blockIdx.y);
+  if (nb >= num_n_blocks) return;
+  const QueryBlockKeys* queries = a.query_blocks + static_cast<int64_t>(b) * num_m_blocks;
+  int first = INT_MAX, last = -1;
+  for (int mb = static_cast<int>(threadIdx.x % 32); mb < num_m_blocks; mb += 32) {
+    const QueryBlockKeys q = queries[mb];
+    if (q.n_lo <= nb && nb < q.n_hi) {
+      first = min(first, mb);
+      last = max(last, mb);
+    }
+  }
+  first = __reduce_min_sync(kFull, first);
+  last = __reduce_max_sync(kFull, last);
+  if (threadIdx.x % 32 == 0) {
+    const bool any = first <= last;
+    a.key_block_queries[static_cast<int64_t>(b) * num_n_blocks + nb] = {any ? first : 0, any ? last + 1 : 0};
+  }
+}
+
 Status Launched(const char* what) {
   const cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) return Status::Ok();
@@ -134,7 +157,10 @@ Status SummarizeSegments(const SegmentSummaryArgs& args, cudaStream_t stream) {
   MAXATTN_RETURN_IF_ERROR(Launched("segment key-block summary"));
   const dim3 query_grid((num_m_blocks + kWarps - 1) / kWarps, args.batch);
   QueryBlocksKernel<<<query_grid, kWarps * 32, 0, stream>>>(args, num_m_blocks, num_n_blocks);
-  return Launched("segment query-block summary");
+  MAXATTN_RETURN_IF_ERROR(Launched("segment query-block summary"));
+  if (args.key_block_queries == nullptr) return Status::Ok();
+  KeyBlockQueriesKernel<<<key_grid, kWarps * 32, 0, stream>>>(args, num_m_blocks, num_n_blocks);
+  return Launched("segment key-block queries");
 }
 
 }  // namespace maxattn::sm90

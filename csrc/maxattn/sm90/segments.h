@@ -10,9 +10,14 @@
 //   run ends     [B, S]: for each valid key j, one past the last key of the
 //                run of equal ids that holds j, cut at the end of j's key
 //                block (and at kv_valid);
-//   query blocks [B, ceil(T / 128)]: `uniform` likewise for the block's rows,
-//                and the key blocks [n_lo, n_hi) whose id range meets the
-//                block's (empty when none does, or when every row is padding).
+//   query blocks [B, ceil(T / block_m)]: `uniform` likewise for the block's
+//                rows, and the key blocks [n_lo, n_hi) whose id range meets
+//                the block's (empty when none does, or when every row is
+//                padding);
+//   and, when asked for (the backward, which walks the query blocks of one
+//   key block), key-block queries [B, ceil(S / block_n)]: the query blocks
+//   [m_lo, m_hi) whose key range [n_lo, n_hi) holds the key block (a hull,
+//   so a superset of the blocks whose ids meet it: exact after the mask).
 // The kernel intersects its causal / window key range with [n_lo, n_hi), and
 // in every tile that is not uniform with the same id on both sides it walks
 // the key block's runs and masks those whose id is not the row's (mask.h).
@@ -44,6 +49,11 @@ struct alignas(16) QueryBlockKeys {
   int32_t unused;
 };
 
+struct alignas(8) KeyBlockQueries {
+  int32_t m_lo;     // query blocks [m_lo, m_hi) that may see the key block
+  int32_t m_hi;
+};
+
 struct SegmentSummaryArgs {
   const int32_t* q_ids = nullptr;   // [B, T]
   const int32_t* kv_ids = nullptr;  // [B, S]
@@ -54,9 +64,10 @@ struct SegmentSummaryArgs {
   KeyBlockIds* key_blocks = nullptr;        // [B, ceil(S / block_n)]
   int32_t* kv_run_end = nullptr;            // [B, S]
   QueryBlockKeys* query_blocks = nullptr;   // [B, ceil(T / block_m)]
+  KeyBlockQueries* key_block_queries = nullptr;  // [B, ceil(S / block_n)], or null (not wanted)
 };
 
-// Enqueues the two summary kernels on `stream`.
+// Enqueues the summary kernels on `stream` (two, three with key_block_queries).
 Status SummarizeSegments(const SegmentSummaryArgs& args, cudaStream_t stream);
 
 }  // namespace maxattn::sm90

@@ -16,35 +16,15 @@
 #include "maxattn/float_max.cuh"
 #include "maxattn/sm90/kernel_config.h"
 #include "maxattn/sm90/launch.h"
-#include "maxattn/sm90/segments.h"
+#include "maxattn/sm90/problem.h"
 
 namespace maxattn {
 namespace {
 
+using sm90::CudaStatus;
+
 constexpr int64_t kMaxGridYZ = 65535;
 constexpr int64_t kMaxLen = int64_t{1} << 30;
-
-bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) % 16) == 0; }
-
-Status Cuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Status::Ok();
-  return Status::Internal(std::string("sm90 attention: ") + what + ": " + cudaGetErrorName(err) + " (" +
-                          cudaGetErrorString(err) + ")");
-}
-
-__global__ void FillKernel(float* data, int64_t n, float value) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    data[i] = value;
-  }
-}
-
-Status Fill(float* data, int64_t n, float value, cudaStream_t stream) {
-  if (data == nullptr || n == 0) return Status::Ok();
-  const int64_t blocks = (n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024;
-  FillKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(data, n, value);
-  return Cuda(cudaGetLastError(), "fill kernel launch");
-}
 
 // lse [B, N, T] of rows that see no key: the head's sink logit.
 __global__ void FillSinkLseKernel(float* lse, const float* sink, int64_t n, int64_t heads, int64_t q_len) {
@@ -55,17 +35,12 @@ __global__ void FillSinkLseKernel(float* lse, const float* sink, int64_t n, int6
 }
 
 Status FillEmptyLse(float* lse, const float* sink, int64_t B, int64_t N, int64_t T, cudaStream_t stream) {
-  if (sink == nullptr) return Fill(lse, B * N * T, -INFINITY, stream);
+  if (sink == nullptr) return sm90::FillFloats(lse, B * N * T, -INFINITY, stream);
   if (lse == nullptr) return Status::Ok();
   const int64_t n = B * N * T;
   const int64_t blocks = (n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024;
   FillSinkLseKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(lse, sink, n, N, T);
-  return Cuda(cudaGetLastError(), "sink lse fill kernel launch");
-}
-
-int ClampWindow(int64_t w, int64_t limit) {
-  if (w < 0) return -1;
-  return static_cast<int>(w < limit ? w : limit);
+  return CudaStatus(cudaGetLastError(), "sink lse fill kernel launch");
 }
 
 template <bool kSoftcap>
@@ -95,133 +70,60 @@ Status Dispatch(const AttentionShape& shape, const sm90::FwdArgs& args, const At
                              : DispatchHeadDim<false>(shape, args, inputs, stream);
 }
 
-// Bytes of the segment-id block summaries (segments.h): key blocks, query blocks, run ends.
-struct SegmentScratch {
-  size_t key_bytes = 0, query_bytes = 0, run_bytes = 0;
-  size_t total() const { return key_bytes + query_bytes + run_bytes; }
-};
-
-SegmentScratch SegmentScratchFor(const AttentionShape& shape, const sm90::FwdArgs& args) {
-  SegmentScratch b;
-  b.key_bytes = static_cast<size_t>(shape.batch) * args.num_n_blocks * sizeof(sm90::KeyBlockIds);
-  b.query_bytes = static_cast<size_t>(shape.batch) * args.num_m_blocks * sizeof(sm90::QueryBlockKeys);
-  b.run_bytes = static_cast<size_t>(shape.batch) * shape.kv_len * sizeof(int32_t);
-  return b;
-}
-
-// The segment-id block summaries in `scratch` (16-byte aligned), enqueued on the stream.
-Status PrepareSegments(const AttentionShape& shape, const AttentionInputs& inputs, const SegmentScratch& bytes,
-                       void* scratch, cudaStream_t stream, sm90::FwdArgs* args) {
-  const size_t key_bytes = bytes.key_bytes, query_bytes = bytes.query_bytes;
-  const int block_n = sm90::KeyBlockSize(static_cast<int>(shape.head_dim));
-  sm90::SegmentSummaryArgs s;
-  s.q_ids = inputs.q_segment_ids;
-  s.kv_ids = inputs.kv_segment_ids;
-  s.q_lens = inputs.q_seq_lengths;
-  s.kv_lens = inputs.kv_seq_lengths;
-  s.batch = static_cast<int>(shape.batch);
-  s.q_len = static_cast<int>(shape.q_len);
-  s.kv_len = static_cast<int>(shape.kv_len);
-  s.block_m = sm90::kQueryBlockSize;
-  s.block_n = block_n;
-  s.key_blocks = static_cast<sm90::KeyBlockIds*>(scratch);  // 16-byte aligned: both are 16-byte records
-  s.query_blocks = reinterpret_cast<sm90::QueryBlockKeys*>(static_cast<char*>(scratch) + key_bytes);
-  s.kv_run_end = reinterpret_cast<int32_t*>(static_cast<char*>(scratch) + key_bytes + query_bytes);
-  args->q_segment_ids = inputs.q_segment_ids;
-  args->kv_segment_ids = inputs.kv_segment_ids;
-  args->key_blocks = s.key_blocks;
-  args->kv_run_end = s.kv_run_end;
-  args->query_blocks = s.query_blocks;
-  return sm90::SummarizeSegments(s, stream);
-}
-
 Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs,
                    const ForwardOutputs& outputs, const DeviceContext& ctx) {
   cudaStream_t stream = ctx.stream;
   MAXATTN_RETURN_IF_ERROR(ValidateShapeAndOptions(shape, options, inputs));
   if (auto reason = Sm90UnsupportedReason(shape, options, inputs)) return Status::Unimplemented(*reason);
   if (outputs.out == nullptr) return Status::InvalidArgument("sm90 attention: outputs.out is null");
-  if (!Aligned16(outputs.out)) {
+  if (!sm90::Aligned16(outputs.out)) {
     return Status::Unimplemented("sm90 backend: outputs.out must be 16-byte aligned");
   }
-
-  int device = 0, major = 0, minor = 0;
-  MAXATTN_RETURN_IF_ERROR(Cuda(cudaGetDevice(&device), "cudaGetDevice"));
-  MAXATTN_RETURN_IF_ERROR(Cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-                               "cudaDeviceGetAttribute(major)"));
-  MAXATTN_RETURN_IF_ERROR(Cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
-                               "cudaDeviceGetAttribute(minor)"));
-  if (major != 9 || minor != 0) {
-    return Status::Unimplemented("sm90 backend: needs a compute capability 9.0 GPU (found " +
-                                 std::to_string(major) + "." + std::to_string(minor) + ")");
-  }
+  MAXATTN_RETURN_IF_ERROR(sm90::CheckSm90Device());
 
   const int64_t B = shape.batch, T = shape.q_len, S = shape.kv_len, N = shape.num_q_heads;
   const int64_t out_bytes = B * T * N * shape.head_dim_v *
                             static_cast<int64_t>(inputs.dtype == DType::kFloat32 ? 4 : 2);
-  if (B == 0 || N == 0 || T == 0) return Fill(outputs.max_logit, B * N, -INFINITY, stream);
+  if (B == 0 || N == 0 || T == 0) return sm90::FillFloats(outputs.max_logit, B * N, -INFINITY, stream);
   if (S == 0) {  // every row fully masked
-    MAXATTN_RETURN_IF_ERROR(Cuda(cudaMemsetAsync(outputs.out, 0, static_cast<size_t>(out_bytes), stream),
-                                 "cudaMemsetAsync(out)"));
+    MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(outputs.out, 0, static_cast<size_t>(out_bytes), stream),
+                                       "cudaMemsetAsync(out)"));
     MAXATTN_RETURN_IF_ERROR(FillEmptyLse(outputs.lse, inputs.sink_logits, B, N, T, stream));
-    return Fill(outputs.max_logit, B * N, -INFINITY, stream);
+    return sm90::FillFloats(outputs.max_logit, B * N, -INFINITY, stream);
   }
 
   sm90::FwdArgs args;
+  static_cast<sm90::ProblemArgs&>(args) = sm90::MakeProblemArgs(
+      shape, options, inputs, sm90::kQueryBlockSize, sm90::KeyBlockSize(static_cast<int>(shape.head_dim)));
   args.out = outputs.out;
   args.lse = outputs.lse;
   args.max_logit = outputs.max_logit;
-  args.q_lens = inputs.q_seq_lengths;
-  args.kv_lens = inputs.kv_seq_lengths;
   args.sink_logits = inputs.sink_logits;
-  args.batch = static_cast<int>(B);
-  args.q_len = static_cast<int>(T);
-  args.kv_len = static_cast<int>(S);
-  args.heads = static_cast<int>(N);
-  args.kv_heads = static_cast<int>(shape.num_kv_heads);
-  args.group = static_cast<int>(N / shape.num_kv_heads);
-  args.num_m_blocks = static_cast<int>((T + sm90::kQueryBlockSize - 1) / sm90::kQueryBlockSize);
   args.num_tiles = static_cast<int>(args.num_m_blocks * N * B);
-  args.scale = options.scale;
-  args.scale_log2 = static_cast<float>(static_cast<double>(options.scale) * 1.4426950408889634);
-  if (options.softcap > 0.0f) {
-    args.softcap = options.softcap;
-    args.softcap_in = static_cast<float>(static_cast<double>(options.scale) / options.softcap);
-    args.softcap_log2 = static_cast<float>(static_cast<double>(options.softcap) * 1.4426950408889634);
-  }
-  args.causal = options.causal;
-  args.bottom_right = options.alignment == CausalAlignment::kBottomRight;
-  args.window_left = ClampWindow(options.window_left, T + S);
-  args.window_right = ClampWindow(options.window_right, T + S);
   if (outputs.max_logit != nullptr) {
     // Below every float in the kernel's atomic ordering (float_max.cuh).
     MAXATTN_RETURN_IF_ERROR(
-        Cuda(cudaMemsetAsync(outputs.max_logit, kAtomicMaxEmptyByte, static_cast<size_t>(B * N) * 4, stream),
-             "cudaMemsetAsync(max_logit)"));
+        CudaStatus(cudaMemsetAsync(outputs.max_logit, kAtomicMaxEmptyByte, static_cast<size_t>(B * N) * 4, stream),
+                   "cudaMemsetAsync(max_logit)"));
   }
   // Workspace, one block: the persistent grid's tile counter (16 bytes, zeroed
   // on the stream), then the segment-id summaries.
   const bool segments = inputs.q_segment_ids != nullptr;
   const size_t counter_bytes = static_cast<size_t>(Sm90TileCounterBytes(shape.head_dim));
-  const bool counter = counter_bytes > 0;
-  const int block_n = sm90::KeyBlockSize(static_cast<int>(shape.head_dim));
-  args.num_n_blocks = static_cast<int>((S + block_n - 1) / block_n);
-  const SegmentScratch seg_bytes = segments ? SegmentScratchFor(shape, args) : SegmentScratch{};
-  const size_t scratch_bytes = counter_bytes + seg_bytes.total();
+  const size_t scratch_bytes = counter_bytes + (segments ? sm90::SegmentSummaryBytes(args, false) : 0);
   if (scratch_bytes > 0) {
     char* scratch = static_cast<char*>(ctx.allocate ? ctx.allocate(scratch_bytes) : nullptr);
     if (scratch == nullptr) {
       return Status::Internal("sm90 attention: could not allocate " + std::to_string(scratch_bytes) +
                               " bytes of workspace (tile counter and segment-id summaries)");
     }
-    if (counter) {
+    if (counter_bytes > 0) {
       args.tile_counter = reinterpret_cast<int*>(scratch);
-      MAXATTN_RETURN_IF_ERROR(
-          Cuda(cudaMemsetAsync(args.tile_counter, 0, sizeof(int), stream), "cudaMemsetAsync(tile counter)"));
+      MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(args.tile_counter, 0, sizeof(int), stream),
+                                         "cudaMemsetAsync(tile counter)"));
     }
     if (segments) {
-      MAXATTN_RETURN_IF_ERROR(
-          PrepareSegments(shape, inputs, seg_bytes, scratch + counter_bytes, stream, &args));
+      MAXATTN_RETURN_IF_ERROR(sm90::PrepareSegments(inputs, false, scratch + counter_bytes, stream, &args));
     }
   }
   return Dispatch(shape, args, inputs, stream);
@@ -266,7 +168,7 @@ std::optional<std::string> Sm90UnsupportedReason(const AttentionShape& shape, co
   if (q_batch_stride >= (int64_t{1} << 40) || kv_batch_stride >= (int64_t{1} << 40)) {
     return std::string("sm90 backend: one batch row of q, k or v must be smaller than 2^40 bytes");
   }
-  if (!Aligned16(inputs.q) || !Aligned16(inputs.k) || !Aligned16(inputs.v)) {
+  if (!sm90::Aligned16(inputs.q) || !sm90::Aligned16(inputs.k) || !sm90::Aligned16(inputs.v)) {
     return std::string("sm90 backend: q, k and v must be 16-byte aligned");
   }
   return std::nullopt;
