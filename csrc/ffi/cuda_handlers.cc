@@ -71,27 +71,43 @@ struct CudaPlatform {
 };
 
 #ifdef MAXATTN_HAS_SM90
-// Our Hopper forward (csrc/maxattn/sm90/). Forward only: its backward runs on
-// the cuDNN target (python/maxattn/_src/backends/sm90.py).
+// Our Hopper kernels (csrc/maxattn/sm90/). python/maxattn/_src/backends/sm90.py
+// sends a backward here only when Sm90BackwardUnsupportedReason accepts the
+// call; the others go to the cuDNN target.
 struct Sm90Platform {
   static constexpr const char* kForwardName = "maxattn_attention_fwd_sm90";
+  static constexpr const char* kBackwardName = "maxattn_attention_bwd_sm90";
   static ffi::DataType BiasType(ffi::DataType input) { return input; }  // no bias is supported
   using Context = ContextTypes<cudaStream_t, int32_t, ffi::ScratchAllocator>;
   static auto Bind() {
     return ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // the call's CUDA stream
         .Ctx<ffi::DeviceOrdinal>()                 // the call's device
-        .Ctx<ffi::ScratchAllocator>();             // segment-id summaries
+        .Ctx<ffi::ScratchAllocator>();             // segment summaries, the backward's dQ accumulator
   }
-  static ffi::Error Forward(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch,
-                            const DecodedCall& call, const ForwardOutputs& outputs) {
-    return Guarded(kForwardName, [&] {
+  // Runs `fn` (a core call) on `device`, turning everything into an ffi::Error.
+  template <typename Fn>
+  static ffi::Error OnDevice(const char* op, int32_t device, Fn&& fn) {
+    return Guarded(op, [&] {
       DeviceScope scope(device);
       if (scope.status() != cudaSuccess) {
         return Status::Internal(std::string("cudaSetDevice failed: ") + cudaGetErrorString(scope.status()));
       }
+      return fn();
+    });
+  }
+  static ffi::Error Forward(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch,
+                            const DecodedCall& call, const ForwardOutputs& outputs) {
+    return OnDevice(kForwardName, device, [&] {
       return AttentionForwardSm90(call.shape, call.options, call.inputs, outputs,
                                   MakeContext(stream, device, scratch));
+    });
+  }
+  static ffi::Error Backward(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch,
+                             const DecodedCall& call, const BackwardInputs& saved, const BackwardOutputs& grads) {
+    return OnDevice(kBackwardName, device, [&] {
+      return AttentionBackwardSm90(call.shape, call.options, call.inputs, saved, grads,
+                                   MakeContext(stream, device, scratch));
     });
   }
 };
@@ -101,6 +117,8 @@ struct Sm90Platform {
 
 #ifdef MAXATTN_HAS_SM90
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionFwdSm90, (Handler<Sm90Platform, Forward>{}), BindForward<Sm90Platform>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionBwdSm90, (Handler<Sm90Platform, Backward>{}),
+                              BindBackward<Sm90Platform>());
 #endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxattnAttentionFwdCuda, (Handler<CudaPlatform, Forward>{}), BindForward<CudaPlatform>());

@@ -75,13 +75,14 @@ std::optional<std::string> UnsupportedReason(const Shape& sizes, const std::stri
 }
 
 #ifdef MAXATTN_HAS_SM90
-// maxattn::Sm90UnsupportedReason for a call described from Python. The kernel
-// also checks pointer alignment; XLA's buffers are aligned, so the description
-// uses aligned stand-ins for the operands that are present.
+// maxattn::Sm90UnsupportedReason (backward=False) or
+// Sm90BackwardUnsupportedReason (backward=True) for a call described from
+// Python. The kernels also check pointer alignment; XLA's buffers are aligned,
+// so the description uses aligned stand-ins for the operands that are present.
 std::optional<std::string> Sm90Reason(const Shape& sizes, const std::string& dtype, float scale, bool causal,
                                       int alignment, int64_t window_left, int64_t window_right, float softcap,
                                       float dropout_rate, int64_t max_segments, bool bias, bool mask,
-                                      bool padding, bool segments, bool sink) {
+                                      bool padding, bool segments, bool sink, bool backward) {
   maxattn::AttentionInputs inputs;
   if (dtype == "bfloat16") {
     inputs.dtype = maxattn::DType::kBFloat16;
@@ -104,9 +105,11 @@ std::optional<std::string> Sm90Reason(const Shape& sizes, const std::string& dty
     inputs.kv_segment_ids = static_cast<const int32_t*>(p);
   }
   if (sink) inputs.sink_logits = static_cast<const float*>(p);
-  return maxattn::Sm90UnsupportedReason(
-      ToShape(sizes), ToOptions(scale, causal, alignment, window_left, window_right, softcap, dropout_rate, max_segments),
-      inputs);
+  const maxattn::AttentionShape shape = ToShape(sizes);
+  const maxattn::AttentionOptions options =
+      ToOptions(scale, causal, alignment, window_left, window_right, softcap, dropout_rate, max_segments);
+  return backward ? maxattn::Sm90BackwardUnsupportedReason(shape, options, inputs)
+                  : maxattn::Sm90UnsupportedReason(shape, options, inputs);
 }
 #endif
 
@@ -122,6 +125,7 @@ NB_MODULE(_maxattn_cuda, m) {
     targets["maxattn_attention_bwd_cuda"] = nb::capsule(HandlerAddress(maxattn::ffi_glue::MaxattnAttentionBwdCuda));
 #ifdef MAXATTN_HAS_SM90
     targets["maxattn_attention_fwd_sm90"] = nb::capsule(HandlerAddress(maxattn::ffi_glue::MaxattnAttentionFwdSm90));
+    targets["maxattn_attention_bwd_sm90"] = nb::capsule(HandlerAddress(maxattn::ffi_glue::MaxattnAttentionBwdSm90));
 #endif
     return targets;
   });
@@ -134,8 +138,9 @@ NB_MODULE(_maxattn_cuda, m) {
   m.def("sm90_unsupported_reason", &Sm90Reason, nb::arg("sizes"), nb::arg("dtype"), nb::kw_only(),
         nb::arg("scale"), nb::arg("causal"), nb::arg("alignment"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("softcap"), nb::arg("dropout_rate"), nb::arg("max_segments"), nb::arg("bias"), nb::arg("mask"), nb::arg("padding"),
-        nb::arg("segments"), nb::arg("sink"),
-        "None if the sm90 kernels can run the described call, else the reason (Sm90UnsupportedReason).");
+        nb::arg("segments"), nb::arg("sink"), nb::arg("backward") = false,
+        "None if the sm90 forward (backward=True: backward) can run the described call, else the reason "
+        "(Sm90UnsupportedReason, Sm90BackwardUnsupportedReason).");
 #endif
   m.def("cudnn_version", []() { return maxattn::cudnn::RuntimeVersion(); },
         "The cuDNN version loaded in this process (cudnnGetVersion()).");

@@ -13,7 +13,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MaxattnAttentionBwdCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MaxattnAttentionFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MaxattnAttentionBwdCuda);
 #ifdef MAXATTN_HAS_SM90
-XLA_FFI_DECLARE_HANDLER_SYMBOL(MaxattnAttentionFwdSm90);  // csrc/ffi/cuda_handlers.cc, with the sm90 kernels
+// csrc/ffi/cuda_handlers.cc, with the sm90 kernels
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MaxattnAttentionFwdSm90);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MaxattnAttentionBwdSm90);
 #endif
 
 // The address that jax.ffi.register_ffi_target expects inside its capsule.

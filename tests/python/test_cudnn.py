@@ -60,8 +60,9 @@ def _cudnn(q, k, v, bias, **kwargs):
     return maxattn.dot_product_attention(q, k, v, bias, implementation="cudnn", **kwargs)
 
 
-# The sm90 backend (our Hopper forward; cuDNN's backward) runs the cases without a bias whose
-# head dims are equal and 64, 128 or 256 -- decided here from the case, so no case is skipped.
+# The sm90 backend (our Hopper forward; our backward at head dims 64 and 128, cuDNN's at 256) runs
+# the cases without a bias whose head dims are equal and 64, 128 or 256 -- decided here from the
+# case, so no case is skipped.
 BACKENDS = ("cudnn", "sm90")
 
 
@@ -251,8 +252,8 @@ def test_auto_mode_runs_soft_cap_on_sm90():
     assert_close(out, r_out, OUT_TOL[jnp.bfloat16], "out")
 
 
-# Soft-capped calls on sm90: the kernel's tanh softmax forward, the reference backward (cuDNN has
-# no soft cap). q is scaled up so that the raw logits (std ~4, max ~15) are bent by the cap of 10.
+# Soft-capped calls on sm90: the kernel's tanh softmax forward; the backward is ours at head dims 64
+# and 128 (gradient through tanh), the reference's at 256 (cuDNN has no soft cap). q is scaled up so that the raw logits (std ~4, max ~15) are bent by the cap of 10.
 SOFTCAP_CASES = {
     "h64_causal_gqa": (2, 256, 256, 4, 2, 64, jnp.bfloat16, {"is_causal": True}),
     "h128_odd_padding_br": (2, 300, 333, 4, 4, 128, jnp.bfloat16,
@@ -293,3 +294,30 @@ def test_sm90_max_logit_with_odd_lengths():
     _, r, _ = reference64(q, k, v, None, jnp.zeros((B, T, N, H)), jnp.zeros((B, N, T)), is_causal=True)
     assert_max_logit_close(a["max_logit"], r["max_logit"], MAX_TOL[jnp.bfloat16])
     assert_max_logit_close(b["max_logit"], r["max_logit"], MAX_TOL[jnp.bfloat16])
+
+
+# Which backward an sm90 call compiles to: ours at head dims 64 and 128, cuDNN's at 256.
+@pytest.mark.parametrize("H, target", [(64, "maxattn_attention_bwd_sm90"), (128, "maxattn_attention_bwd_sm90"),
+                                       (256, "maxattn_attention_bwd_cuda")])
+def test_sm90_backward_target(H, target):
+    q, k, v = random_inputs(3, 1, 128, 128, 2, 2, H, H, jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(maxattn.dot_product_attention(q, k, v, is_causal=True, implementation="sm90")
+                                   .astype(jnp.float32))
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    assert target in hlo
+    other = {"maxattn_attention_bwd_sm90", "maxattn_attention_bwd_cuda"} - {target}
+    assert other.pop() not in hlo
+
+
+def test_sm90_backward_repeats():
+    """Two runs of the sm90 backward: dk and dv bit-identical (summed in registers in a fixed
+    order); dq, summed over key blocks by float atomics, equal up to the order of those sums."""
+    q, k, v = random_inputs(8, 2, 384, 384, 8, 2, 128, 128, jnp.bfloat16)
+    ct = jnp.asarray(np.random.default_rng(8).standard_normal(q.shape), jnp.float32)
+    loss = lambda q, k, v: jnp.sum(maxattn.dot_product_attention(q, k, v, is_causal=True, implementation="sm90")
+                                   .astype(jnp.float32) * ct)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    (dq1, dk1, dv1), (dq2, dk2, dv2) = grad(q, k, v), grad(q, k, v)
+    np.testing.assert_array_equal(np.asarray(dk1, np.float32), np.asarray(dk2, np.float32))
+    np.testing.assert_array_equal(np.asarray(dv1, np.float32), np.asarray(dv2, np.float32))
+    assert_close(dq1, np.asarray(dq2, np.float32), 1e-2, "dq")

@@ -114,7 +114,7 @@ SEG_CASES = {
 
 
 def _sm90_runs_seg(name):
-    """Whether the sm90 backend (Hopper forward, cuDNN backward) takes a SEG_CASES case."""
+    """Whether the sm90 backend (its own forward; its backward at H 64/128) takes a SEG_CASES case."""
     _, _, _, _, _, H, Hv, bias_shape, build = SEG_CASES[name]
     return bias_shape is None and "mask" not in build(np.random.default_rng(0)) and H == Hv and H in (64, 128, 256)
 
@@ -284,7 +284,8 @@ def _sink_reference64(q, k, v, bias, sink, ct_out, ct_lse, **kwargs):
 
 
 def _sm90_runs_sink(name):
-    """Whether the sm90 backend (sinks in its epilogue, cuDNN backward) takes a SINK_CASES case."""
+    """Whether the sm90 backend (sinks in its epilogue; dsink in its backward's pre-pass at H 64/128)
+    takes a SINK_CASES case."""
     _, _, _, _, _, H, Hv, _, _, bias_shape, _ = SINK_CASES[name]
     return bias_shape is None and H == Hv
 
@@ -466,10 +467,12 @@ def test_dropout_vmap_gives_independent_masks(impl):
 # --------------------------------------------------------------------------------------------------
 # Packed rows as ragged sequences: max_segments_per_row
 # --------------------------------------------------------------------------------------------------
-# "cudnn" runs these as cuDNN ragged sequences (csrc/maxattn/cudnn/ragged.h); "cpu" and "xla" ignore
-# the bound and compute the dense segment-id rule: the same float64 oracle checks all three.
+# "cudnn" runs these as cuDNN ragged sequences (csrc/maxattn/cudnn/ragged.h); "cpu", "xla" and
+# "sm90" (whose kernels are exact for any ids; every case here has head dim 64 or 128, where the
+# backward is its own) ignore the bound and compute the dense segment-id rule: the same float64
+# oracle checks all four.
 
-RAGGED_BACKENDS = BACKENDS + [pytest.param("xla", id="xla")]
+RAGGED_BACKENDS = BACKENDS + [pytest.param("xla", id="xla"), pytest.param("sm90", marks=GPU_MARKS, id="sm90")]
 
 
 @pytest.fixture(params=RAGGED_BACKENDS)

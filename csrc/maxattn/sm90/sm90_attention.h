@@ -1,11 +1,13 @@
-// maxattn sm90: our own Hopper (sm_90a) attention forward.
+// maxattn sm90: our own Hopper (sm_90a) attention, forward and backward.
 //
-// Warp-specialised TMA + WGMMA kernel (csrc/maxattn/sm90/) with max_logit
-// reduced inside the kernel: one atomic max per (batch, head) per consumer warp
-// into outputs.max_logit [B, N], which the launcher initialises on the stream.
-// Segment ids run without a dense bias (segments.h).
-// Semantics are exactly those of attention.h; the calls it cannot run are
-// named by Sm90UnsupportedReason.
+// Warp-specialised TMA + WGMMA kernels (csrc/maxattn/sm90/). The forward
+// reduces max_logit inside the kernel: one atomic max per (batch, head) per
+// consumer warp into outputs.max_logit [B, N], which the launcher initialises
+// on the stream. The backward recomputes the probabilities from the forward's
+// out and lse (attention.h's BackwardInputs, the residuals every backend
+// saves). Segment ids run without a dense bias (segments.h).
+// Semantics are exactly those of attention.h; the calls they cannot run are
+// named by Sm90UnsupportedReason and Sm90BackwardUnsupportedReason.
 #ifndef MAXATTN_SM90_SM90_ATTENTION_H_
 #define MAXATTN_SM90_SM90_ATTENTION_H_
 
@@ -36,6 +38,24 @@ std::optional<std::string> Sm90UnsupportedReason(const AttentionShape& shape, co
 // Thread-safe; never throws.
 Status AttentionForwardSm90(const AttentionShape& shape, const AttentionOptions& options,
                             const AttentionInputs& inputs, const ForwardOutputs& outputs, const DeviceContext& ctx);
+
+// nullopt when AttentionBackwardSm90 can run this call (a call the forward
+// can run, with a head dim the backward has kernels for), else the reason.
+std::optional<std::string> Sm90BackwardUnsupportedReason(const AttentionShape& shape,
+                                                         const AttentionOptions& options,
+                                                         const AttentionInputs& inputs);
+
+// The gradients of a call the forward ran, on ctx.stream: dq, dk, dv like q,
+// k, v; dsink [B, N] (per batch row) when the call has sink logits. saved.lse
+// is the forward's lse [B, N, T] (natural log; sinks included), saved.dlse its
+// cotangent or null. ctx.allocate is called once, for one block: an fp32 dQ
+// accumulator [B, N, ceil(T / 64) * 64, H], two fp32 row statistics of the
+// same rows, and with segment ids their summaries. dQ is summed by atomics, so
+// it may differ in the last bits from run to run; dK and dV are not.
+// Thread-safe; never throws.
+Status AttentionBackwardSm90(const AttentionShape& shape, const AttentionOptions& options,
+                             const AttentionInputs& inputs, const BackwardInputs& saved,
+                             const BackwardOutputs& grads, const DeviceContext& ctx);
 
 // 16 when the kernel for this head dim runs a persistent grid (its workspace
 // starts with the tile counter), else 0.

@@ -174,6 +174,64 @@ struct OnlineSoftmax {
   }
 };
 
+// The backward's softmax: probabilities recomputed from the forward's lse,
+// on S^T (rows = keys, columns = queries: each column has its own statistic).
+// With lse2 = lse * log2(e) (+inf for a row past T or with nothing visible,
+// which gives 0 everywhere; the mask hides rows past the valid length),
+//   P  = exp2(s * scale*log2(e) - lse2)                    (plain)
+//   P  = exp2(tanh(s * scale/cap) * cap*log2(e) - lse2)    (soft cap; masked -> 0)
+// and the gradient of the logits before the cap, with D = rowsum(dO o O) - dlse,
+//   dS = P * (dP - D)             (plain)
+//   dS = P * (1 - t^2) * (dP - D) (soft cap, t = tanh(s * scale/cap))
+// The scale of the raw scores q.k is applied to dK and dQ at the end.
+template <bool kSoftcap>
+struct SoftmaxGrad {
+  SoftmaxScales k;
+
+  // s: raw scores (masked entries -inf) of a (rows, cols) view; lse2[c]: the
+  // column's lse*log2(e). Writes P to p (the element type, for the dV GEMM)
+  // and leaves in s what ScoreGrad multiplies (P, or P * (1 - t^2)).
+  // kMasked: the tile went through the mask, so a -inf score gives P = 0 even
+  // where the row's lse is NaN (a NaN query row must not reach keys it does
+  // not see).
+  template <bool kMasked, class TensorS, class TensorP, int kCols>
+  __device__ __forceinline__ void Probabilities(TensorS& s, TensorP& p, const float (&lse2)[kCols]) const {
+    using namespace cute;
+    using Element = typename TensorP::value_type;
+    static_assert(decltype(size<1>(s))::value == kCols);
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(s); ++r) {
+        const float x = s(r, c);
+        float prob;
+        if constexpr (kSoftcap) {
+          const float t = TanhApprox(x * k.cap_in);
+          prob = x == -INFINITY ? 0.0f : Exp2Approx(fmaf(t, k.cap_log2, -lse2[c]));
+          s(r, c) = prob * fmaf(-t, t, 1.0f);
+        } else {
+          prob = Exp2Approx(fmaf(x, k.scale_log2, -lse2[c]));
+          if constexpr (kMasked) prob = x == -INFINITY ? 0.0f : prob;
+          s(r, c) = prob;
+        }
+        p(r, c) = static_cast<Element>(prob);
+      }
+    }
+  }
+
+  // dp: dP of the same view, replaced by dS; s: what Probabilities left;
+  // dpsum[c]: the column's D - dlse.
+  template <class TensorS, class TensorDp, int kCols>
+  __device__ __forceinline__ static void ScoreGrad(const TensorS& s, TensorDp& dp, const float (&dpsum)[kCols]) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(s); ++r) dp(r, c) = s(r, c) * (dp(r, c) - dpsum[c]);
+    }
+  }
+};
+
 }  // namespace maxattn::sm90
 
 #endif  // MAXATTN_SM90_SOFTMAX_H_

@@ -73,6 +73,28 @@ struct PersistentLongestFirstScheduler {
   }
 };
 
+// Backward: one CTA per (key block, KV head, batch row), key blocks fastest,
+// so the CTAs of one head run side by side and share its Q, dO, lse and D in
+// L2. A CTA walks the query blocks that see its keys, for every query head of
+// the KV head's group; key block 0 comes first, which for a causal mask
+// (top-left) is the one with the most query blocks.
+struct BwdTile {
+  int n_block;
+  int kv_head;
+  int batch;
+};
+
+struct BwdStaticScheduler {
+  static dim3 Grid(const ProblemArgs& args) {
+    return dim3(static_cast<unsigned>(args.num_n_blocks), static_cast<unsigned>(args.kv_heads),
+                static_cast<unsigned>(args.batch));
+  }
+
+  __device__ static BwdTile Get() {
+    return BwdTile{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+  }
+};
+
 }  // namespace maxattn::sm90
 
 #endif  // MAXATTN_SM90_TILE_SCHEDULER_H_

@@ -1,20 +1,23 @@
-"""The "sm90" backend: our own Hopper (sm_90a) forward kernel (csrc/maxattn/sm90/).
+"""The "sm90" backend: our own Hopper (sm_90a) kernels (csrc/maxattn/sm90/).
 
 Warp-specialised TMA + WGMMA flash attention with max_logit reduced inside the
-kernel (one atomic max per warp), the logit soft cap in its softmax, segment
-ids without a dense bias (cross-document tiles skipped, ids compared only in
-the tiles on a document boundary) and attention sinks in its epilogue. It
-lives in the CUDA extension module next to the cuDNN targets (built when the
-CUTLASS headers are found at build time). Until the sm90 backward lands, the
-backward runs on this forward's residuals (out and the lse in the contract's
-natural-log [B, N, T] form): cuDNN's, so a call must suit both (the reason
-names whichever refuses); with a soft cap, which cuDNN lacks, the reference's
-(xla.py: exact, but it materialises the [B, N, T, S] logits). With segment ids
-that backward is cuDNN's dense-bias form (O(T * S)); a `max_segments_per_row`
-bound is refused here, because cuDNN's ragged backward would poison the rows
-that break it while this forward is exact on them. `implementation=None`
-tries sm90 after cuDNN (backends/__init__.py: where both run, the cuDNN forward
-is as fast or faster on the H200; bench/RESULTS.md).
+forward kernel (one atomic max per warp), the logit soft cap in its softmax,
+segment ids without a dense bias (cross-document tiles skipped, ids compared
+only in the tiles on a document boundary) and attention sinks in its
+epilogue. They live in the CUDA extension module next to the cuDNN targets
+(built when the CUTLASS headers are found at build time).
+
+The backward runs on the forward's residuals (out and the lse in the
+contract's natural-log [B, N, T] form). At head dims 64 and 128 it is ours
+(same features as the forward, the sinks' gradient included; dQ is summed
+by atomics, so it can differ in the last bits between runs); at head dim 256
+it is cuDNN's, so such a call must suit both (the reason names whichever
+refuses), or the reference's with a soft cap, which cuDNN lacks (xla.py:
+exact, but it materialises the [B, N, T, S] logits). Our kernels are exact
+for any segment ids and ignore `max_segments_per_row`; at head dim 256 that
+bound is refused, because cuDNN's ragged backward would poison the rows
+that break it while the sm90 forward is exact on them. `implementation=None`
+tries sm90 after cuDNN (backends/__init__.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from maxattn._src.backends import cudnn, ffi, xla
 from maxattn._src.call import Call, Fwd, Grads, Saved
 
 FWD_TARGET = "maxattn_attention_fwd_sm90"
+BWD_TARGET = "maxattn_attention_bwd_sm90"
 
 
 @functools.cache
@@ -38,35 +42,53 @@ def _compute_capability() -> Optional[str]:
         return None
 
 
+def _kernel_reason(call: Call, backward: bool) -> Optional[str]:
+    """Why our forward (or backward) kernels cannot run `call`, or None."""
+    mod, reason = cudnn.module()
+    if reason is not None:
+        return reason
+    if not hasattr(mod, "sm90_unsupported_reason"):
+        return ("the CUDA extension module was built without the sm90 kernels (no CUTLASS headers at build "
+                "time: pip install nvidia-cutlass==4.2.0.0 and rebuild)")
+    cc = _compute_capability()
+    if cc != "9.0":
+        return f"the sm90 kernels need a compute capability 9.0 GPU (Hopper), found {cc}"
+    ops = call.operands
+    attrs = {k: v.item() if hasattr(v, "item") else v for k, v in call.options.ffi_attributes().items()}
+    return mod.sm90_unsupported_reason(
+        (call.batch, call.q_len, call.kv_len, call.num_heads, call.num_kv_heads, ops.query.shape[3],
+         ops.value.shape[3]), str(ops.query.dtype), **attrs, bias=ops.bias is not None,
+        mask=ops.mask is not None, padding=ops.q_seq_lengths is not None or ops.kv_seq_lengths is not None,
+        segments=ops.q_segment_ids is not None, sink=ops.sink_logits is not None, backward=backward)
+
+
+def _own_backward(call: Call) -> bool:
+    """Whether our backward kernel runs this call's gradient."""
+    return _kernel_reason(call, backward=True) is None
+
+
+def _fallback_backward(call: Call):
+    """Whose backward serves an sm90 forward that ours cannot: cuDNN's, or the reference's for a soft cap."""
+    return xla.BACKEND if call.options.softcap else cudnn.BACKEND
+
+
 class Sm90Backend:
     name = "sm90"
 
     def unsupported_reason(self, call: Call) -> Optional[str]:
-        mod, reason = cudnn.module()
+        reason = _kernel_reason(call, backward=False)
         if reason is not None:
             return reason
-        if not hasattr(mod, "sm90_unsupported_reason"):
-            return ("the CUDA extension module was built without the sm90 kernels (no CUTLASS headers at build "
-                    "time: pip install nvidia-cutlass==4.2.0.0 and rebuild)")
-        cc = _compute_capability()
-        if cc != "9.0":
-            return f"the sm90 kernels need a compute capability 9.0 GPU (Hopper), found {cc}"
-        ops = call.operands
-        attrs = {k: v.item() if hasattr(v, "item") else v for k, v in call.options.ffi_attributes().items()}
-        reason = mod.sm90_unsupported_reason(
-            (call.batch, call.q_len, call.kv_len, call.num_heads, call.num_kv_heads, ops.query.shape[3],
-             ops.value.shape[3]), str(ops.query.dtype), **attrs, bias=ops.bias is not None,
-            mask=ops.mask is not None, padding=ops.q_seq_lengths is not None or ops.kv_seq_lengths is not None,
-            segments=ops.q_segment_ids is not None, sink=ops.sink_logits is not None)
-        if reason is not None:
-            return reason
+        if _own_backward(call):
+            return None
         if call.options.max_segments > 0:
             return ("max_segments_per_row is a promise for cuDNN's ragged path, which would run this call's "
-                    "backward and turn the rows that break it into NaN while the sm90 forward is exact on them; "
-                    "drop it (the sm90 kernel needs no bound) or use implementation=\"cudnn\"")
-        backward = _backward_backend(call).unsupported_reason(call)
+                    "backward (the sm90 backward has no kernel for it) and turn the rows that break it into NaN "
+                    "while the sm90 forward is exact on them; drop it (the sm90 kernels need no bound) or use "
+                    "implementation=\"cudnn\"")
+        backward = _fallback_backward(call).unsupported_reason(call)
         if backward is not None:
-            return f"its backward runs on cuDNN until the sm90 backward lands, and {backward}"
+            return f"the sm90 backward has no kernel for it, its backward runs on cuDNN, and {backward}"
         return None
 
     def forward(self, call: Call) -> Fwd:
@@ -74,12 +96,11 @@ class Sm90Backend:
         return ffi.forward(FWD_TARGET, call, call.operands)
 
     def backward(self, call: Call, saved: Saved) -> Grads:
-        return _backward_backend(call).backward(call, saved)
-
-
-def _backward_backend(call: Call):
-    """Whose backward serves an sm90 forward: cuDNN's, or the reference's for a soft cap."""
-    return xla.BACKEND if call.options.softcap else cudnn.BACKEND
+        if _own_backward(call):
+            # No bias is supported, so dbias never comes back; its dtype argument is unused.
+            dtype = call.operands.query.dtype
+            return ffi.backward(BWD_TARGET, call, call.operands, saved._replace(dout=saved.dout.astype(dtype)), dtype)
+        return _fallback_backward(call).backward(call, saved)
 
 
 BACKEND = Sm90Backend()

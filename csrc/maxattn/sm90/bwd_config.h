@@ -1,0 +1,170 @@
+// maxattn sm90: compile-time configuration of one backward kernel instance,
+// and the backward's run-time arguments.
+//
+// One instance per (head dim 64 or 128, element type, soft cap or not); causal,
+// window, padding, segment ids and GQA are run-time arguments, as in the
+// forward. A CTA owns kBlockN = 128 keys of one KV head and walks the query
+// blocks (kBlockM = 64 rows) that see them, for every query head of its GQA
+// group, so dK and dV of the group are summed in registers and written once.
+//
+// Threads: warpgroup 0 produces (one thread issues the TMA loads: K and V
+// once, then Q with its lse and dO with its D = rowsum(dO o O) per step into a
+// two-stage pipeline); warpgroups 1 and 2 consume, each owning 64 of the keys:
+//   S^T  = K Q^T, dP^T = V dO^T   (WGMMA, both operands in shared memory; keys
+//                                  are the M dimension, so P^T and dS^T land in
+//                                  registers in the layout the next GEMMs read)
+//   P^T  = exp2(S^T * scale*log2(e) - lse*log2(e)), dS^T = P^T o (dP^T - D)
+//   dV  += P^T dO,  dK += dS^T Q   (WGMMA with A from registers)
+//   dQ   = dS K                    (dS^T stored to shared memory transposed by
+//                                  stmatrix; both operands in shared memory)
+// dQ is summed over the CTAs of a query block in an fp32 buffer by vector
+// atomics (red.global.add.v2.f32) and converted by a post-pass.
+#ifndef MAXATTN_SM90_BWD_CONFIG_H_
+#define MAXATTN_SM90_BWD_CONFIG_H_
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "maxattn/sm90/kernel_config.h"
+
+namespace maxattn::sm90 {
+
+constexpr int kBwdBlockM = 64;   // query rows per step
+constexpr int kBwdBlockN = 128;  // keys per CTA
+
+// Whether the backward has kernels for this head dim.
+constexpr bool BwdSupportsHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
+template <int kHeadDim_, class Element_, bool kSoftcap_ = false>
+struct BwdConfig {
+  using Element = Element_;
+  static constexpr bool kSoftcap = kSoftcap_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static_assert(BwdSupportsHeadDim(kHeadDim), "backward head dim 64 or 128");
+
+  static constexpr int kBlockM = kBwdBlockM;
+  static constexpr int kBlockN = kBwdBlockN;
+  static constexpr int kStages = 2;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  // dQ = dS K over the CTA's 128 keys: at H = 128 the two warpgroups split the
+  // head dim (each 64 columns, after a barrier, since each needs the other's
+  // dS); at H = 64 a 32-column half would not be a whole swizzle atom, so each
+  // warpgroup multiplies its own 64 keys and both add their partial dQ.
+  static constexpr bool kDqSplitKeys = kHeadDim == 64;
+
+  using BlockM = cute::Int<kBlockM>;
+  using BlockN = cute::Int<kBlockN>;
+  using HalfN = cute::Int<kBlockN / 2>;
+  using HeadDim = cute::Int<kHeadDim>;
+  using Stages = cute::Int<kStages>;
+
+  // S^T and dP^T: M = keys (64 per warpgroup), N = queries, K = head dim.
+  using TiledMmaSdP = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<HalfN, BlockM, HeadDim>>(),
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  // dV and dK: M = keys (64 per warpgroup), N = head dim, K = queries; A (P^T
+  // or dS^T) from registers, B (dO^T or Q^T) read MN-major from shared memory.
+  using TiledMmadKV = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<HalfN, HeadDim, BlockM>, cute::GMMA::Major::K,
+                                 cute::GMMA::Major::MN>(),
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  // dQ: M = queries, N = head dim, K = keys; A = dS (K-major), B = K^T (MN-major).
+  using DqAtomShape = std::conditional_t<kDqSplitKeys, cute::Shape<BlockM, HeadDim, HalfN>,
+                                         cute::Shape<BlockM, cute::Int<kHeadDim / 2>, BlockN>>;
+  using DqWarpgroups = std::conditional_t<kDqSplitKeys, cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>,
+                                          cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>>;
+  using TiledMmadQ = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, DqAtomShape, cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      DqWarpgroups{}));
+
+  // Shared memory: 128-byte swizzled tiles with the last dimension contiguous,
+  // as TMA writes them (Q, dO, K, V: head dim; dS: keys); the transposed views
+  // (Q^T, dO^T, K^T) are the MN-major operands of the dK, dV and dQ GEMMs.
+  using SwizzleAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, HeadDim, Stages>{}));
+  using SmemLayoutdO = SmemLayoutQ;
+  using SmemLayoutK = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockN, HeadDim>{}));
+  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutdS = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, BlockN, cute::_2>{}));
+  using SmemLayoutQt = decltype(cute::composition(
+      SmemLayoutQ{}, cute::make_ordered_layout(cute::Shape<HeadDim, BlockM, Stages>{},
+                                               cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemLayoutdOt = SmemLayoutQt;
+  using SmemLayoutKt = decltype(cute::composition(
+      SmemLayoutK{}, cute::make_ordered_layout(cute::Shape<HeadDim, BlockN>{}, cute::Step<cute::_2, cute::_1>{})));
+  using SmemLayoutdSt = decltype(cute::composition(
+      SmemLayoutdS{}, cute::make_ordered_layout(cute::Shape<BlockN, BlockM, cute::_2>{},
+                                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  // kDqSplitKeys: one warpgroup's 64 keys of dS (one buffer) and of K^T; a
+  // whole swizzle atom column, so the slice starts at a multiple of 1024 bytes.
+  using SmemLayoutdSHalf = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, HalfN>{}));
+  using SmemLayoutKHalf = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<HalfN, HeadDim>{}));
+  using SmemLayoutKtHalf = decltype(cute::composition(
+      SmemLayoutKHalf{}, cute::make_ordered_layout(cute::Shape<HeadDim, HalfN>{}, cute::Step<cute::_2, cute::_1>{})));
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesRowStats = kBlockM * sizeof(float);  // lse or D of one query block
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutdO>> dout;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>> v;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>> ds;
+    alignas(128) float lse_log2[kStages][kBlockM];  // with Q
+    alignas(128) float dpsum[kStages][kBlockM];     // D - dlse, with dO
+    alignas(16) typename Pipeline::SharedStorage pipe_q;
+    alignas(16) typename Pipeline::SharedStorage pipe_do;
+    alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_kv;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");
+
+  using GmemTensor = GmemTensorOf<Element>;
+  using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
+                                            cute::take<0, 2>(SmemLayoutQ{}),
+                                            cute::Shape<BlockM, HeadDim>{}, cute::_1{}));
+  using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{},
+                                             cute::Shape<BlockN, HeadDim>{}, cute::_1{}));
+};
+
+// Named barriers of the backward's consumers (0 is __syncthreads): kBwdBarrierDs
+// (256 threads: both warpgroups' dS are in shared memory) and, with
+// kDqSplitKeys, kBwdBarrierDsWarpgroup + w (128 threads: warpgroup w's are).
+constexpr int kBwdBarrierDs = 1;
+constexpr int kBwdBarrierDsWarpgroup = 2;
+
+// Run-time arguments of the backward instances.
+struct BwdArgs : ProblemArgs {
+  float* dq_accum = nullptr;        // [B, N, t_pad, H] fp32, zeroed before the kernel
+  const float* lse_log2 = nullptr;  // [B, N, t_pad]: lse * log2(e); +inf for rows with no probability
+  const float* dpsum = nullptr;     // [B, N, t_pad]: rowsum(dO o O) - dlse (0 past T)
+  void* dk = nullptr;               // [B, S, K, H]
+  void* dv = nullptr;               // [B, S, K, H]
+  int t_pad = 0;                    // num_m_blocks * kBwdBlockM
+};
+
+template <class Config>
+struct BwdParams {
+  typename Config::TmaQ tma_q;
+  typename Config::TmaQ tma_do;
+  typename Config::TmaKV tma_k;
+  typename Config::TmaKV tma_v;
+  BwdArgs args;
+};
+
+}  // namespace maxattn::sm90
+
+#endif  // MAXATTN_SM90_BWD_CONFIG_H_

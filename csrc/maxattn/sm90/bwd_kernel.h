@@ -1,0 +1,104 @@
+// maxattn sm90: the warp-specialised backward kernel and its host launcher.
+// Included only by the per-head-dim instantiation files (bwd_hdim*.cu).
+#ifndef MAXATTN_SM90_BWD_KERNEL_H_
+#define MAXATTN_SM90_BWD_KERNEL_H_
+
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "maxattn/attention.h"
+#include "maxattn/sm90/bwd_config.h"
+#include "maxattn/sm90/bwd_mainloop_consumer.h"
+#include "maxattn/sm90/bwd_mainloop_producer.h"
+#include "maxattn/sm90/launch.h"
+#include "maxattn/sm90/mask.h"
+#include "maxattn/sm90/problem.h"
+#include "maxattn/sm90/tile_scheduler.h"
+
+namespace maxattn::sm90 {
+
+template <class Config>
+__global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_constant__ BwdParams<Config> p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Pipeline = typename Config::Pipeline;
+  using SharedStorage = typename Config::SharedStorage;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  const int warp = cutlass::canonical_warp_idx_sync();
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  if (warp == 0 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+  }
+
+  // Q and dO stages complete when their tile and their 256 bytes of row statistics have landed.
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Config::kBytesQ + Config::kBytesRowStats;
+  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Config::kConsumerThreads;
+  Pipeline pipe_q(smem.pipe_q, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  Pipeline pipe_do(smem.pipe_do, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  if (threadIdx.x == 0) smem.barrier_kv.init(1);
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  const BwdTile tile = BwdStaticScheduler::Get();
+  int m_lo = 0, m_hi = 0;
+  BlockMask::MakeRow(p.args, tile.batch)
+      .template QueryBlockRange<Config::kBlockM, Config::kBlockN>(p.args, tile.n_block * Config::kBlockN, &m_lo,
+                                                                  &m_hi);
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
+    if (threadIdx.x == 0 && m_lo < m_hi) BwdProducer<Config>::Run(p, smem, pipe_q, pipe_do, tile, m_lo, m_hi);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
+    BwdConsumer<Config>::Run(p.args, smem, pipe_q, pipe_do, tile, m_lo, m_hi, static_cast<int>(threadIdx.x) - 128);
+  }
+#endif
+}
+
+template <int kHeadDim, class Element, bool kSoftcap>
+Status LaunchBackward(const BwdArgs& args, const void* q, const void* k, const void* v, const void* dout,
+                      cudaStream_t stream) {
+  using namespace cute;
+  using Config = BwdConfig<kHeadDim, Element, kSoftcap>;
+  auto gmem = [](const void* ptr, int len, int heads, int batch) {
+    const int64_t row = static_cast<int64_t>(heads) * kHeadDim;
+    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
+                       make_layout(make_shape(len, int32_t{kHeadDim}, heads, batch),
+                                   make_stride(row, _1{}, int64_t{kHeadDim}, row * len)));
+  };
+  using TileQ = Shape<typename Config::BlockM, typename Config::HeadDim>;
+  using TileKV = Shape<typename Config::BlockN, typename Config::HeadDim>;
+  BwdParams<Config> p;
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem(q, args.q_len, args.heads, args.batch),
+                          take<0, 2>(typename Config::SmemLayoutQ{}), TileQ{}, _1{});
+  p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gmem(dout, args.q_len, args.heads, args.batch),
+                           take<0, 2>(typename Config::SmemLayoutdO{}), TileQ{}, _1{});
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(k, args.kv_len, args.kv_heads, args.batch),
+                          typename Config::SmemLayoutK{}, TileKV{}, _1{});
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(v, args.kv_len, args.kv_heads, args.batch),
+                          typename Config::SmemLayoutV{}, TileKV{}, _1{});
+  p.args = args;
+
+  auto kernel = &BwdKernel<Config>;
+  MAXATTN_RETURN_IF_ERROR(CudaStatus(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes),
+      "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)"));
+  kernel<<<BwdStaticScheduler::Grid(args), Config::kThreads, Config::kSmemBytes, stream>>>(p);
+  return CudaStatus(cudaGetLastError(), "backward kernel launch");
+}
+
+}  // namespace maxattn::sm90
+
+#define MAXATTN_SM90_INSTANTIATE_BACKWARD(H, ELEMENT, SOFTCAP)                                 \
+  template ::maxattn::Status maxattn::sm90::LaunchBackward<H, ELEMENT, SOFTCAP>(                \
+      const BwdArgs&, const void*, const void*, const void*, const void*, cudaStream_t)
+
+#endif  // MAXATTN_SM90_BWD_KERNEL_H_

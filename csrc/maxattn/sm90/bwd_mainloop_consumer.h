@@ -1,0 +1,197 @@
+// maxattn sm90: a backward consumer warpgroup's main loop (bwd_config.h has
+// the GEMM plan). Per step, for one query head and one block of kBlockM
+// queries against the warpgroup's 64 keys:
+//   1. issue S^T = K Q^T and dP^T = V dO^T; the step's mask is decided while
+//      they run;
+//   2. S^T ready: mask (boundary tiles only), P^T from the lse (SoftmaxGrad);
+//   3. dP^T ready: dS^T = P^T o (dP^T - D); dS^T to shared memory (stmatrix,
+//      transposed into dS's keys-contiguous layout, one of two buffers);
+//   4. issue dV += P^T dO; make dS visible to the tensor cores (proxy fence,
+//      named barrier); issue dQ = dS K and dK += dS^T Q;
+//   5. dV and dQ retired: release the dO stage, add dQ into dq_accum;
+//      dK retired: release the Q stage.
+// dK and dV stay in registers for the whole walk and are stored once
+// (bwd_epilogue.h).
+#ifndef MAXATTN_SM90_BWD_MAINLOOP_CONSUMER_H_
+#define MAXATTN_SM90_BWD_MAINLOOP_CONSUMER_H_
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "maxattn/sm90/barrier.h"
+#include "maxattn/sm90/bwd_config.h"
+#include "maxattn/sm90/bwd_epilogue.h"
+#include "maxattn/sm90/gemm.h"
+#include "maxattn/sm90/mask.h"
+#include "maxattn/sm90/softmax.h"
+#include "maxattn/sm90/tile_scheduler.h"
+
+namespace maxattn::sm90 {
+
+template <class Config>
+struct BwdConsumer {
+  using Element = typename Config::Element;
+  using SharedStorage = typename Config::SharedStorage;
+  using Pipeline = typename Config::Pipeline;
+  using PipelineState = typename Config::PipelineState;
+
+  // Walks query blocks [m_lo, m_hi) of every head of the tile's group (none
+  // when empty) and stores dK and dV of the tile's keys.
+  __device__ static void Run(const BwdArgs& a, SharedStorage& smem, Pipeline& pipe_q, Pipeline& pipe_do,
+                             const BwdTile& tile, int m_lo, int m_hi, int consumer_tid) {
+    using namespace cute;
+    using BlockM = typename Config::BlockM;
+    using BlockN = typename Config::BlockN;
+    using HeadDim = typename Config::HeadDim;
+    constexpr int kBlockM = Config::kBlockM;
+    constexpr int kBlockN = Config::kBlockN;
+    constexpr bool kSplitKeys = Config::kDqSplitKeys;
+    const int wg = consumer_tid / 128;
+
+    typename Config::TiledMmaSdP mma_sdp;
+    typename Config::TiledMmadKV mma_dkv;
+    typename Config::TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(consumer_tid);
+    auto thr_dkv = mma_dkv.get_thread_slice(consumer_tid);
+    auto thr_dq = mma_dq.get_thread_slice(kSplitKeys ? consumer_tid % 128 : consumer_tid);
+
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Config::SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Config::SmemLayoutQt{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Config::SmemLayoutdO{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Config::SmemLayoutdOt{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Config::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Config::SmemLayoutV{});
+    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Config::SmemLayoutdSt{});
+
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // S^T: keys x head dim
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, N, K, stage)
+    Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, H, queries, stage)
+    Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+    // dQ's operands: dS (queries x keys, one of two buffers) and K^T; with
+    // kSplitKeys only this warpgroup's 64 keys of each.
+    auto dq_operands = [&] {
+      if constexpr (kSplitKeys) {
+        constexpr int kHalf = kBlockM * (kBlockN / 2);
+        Tensor sdS0 = make_tensor(make_smem_ptr(smem.ds.data() + wg * kHalf), typename Config::SmemLayoutdSHalf{});
+        Tensor sdS1 = make_tensor(make_smem_ptr(smem.ds.data() + kBlockM * kBlockN + wg * kHalf),
+                                  typename Config::SmemLayoutdSHalf{});
+        Tensor sKt = make_tensor(make_smem_ptr(smem.k.data() + wg * (kBlockN / 2) * Config::kHeadDim),
+                                 typename Config::SmemLayoutKtHalf{});
+        return make_tuple(thr_dq.partition_fragment_A(sdS0), thr_dq.partition_fragment_A(sdS1),
+                          thr_dq.partition_fragment_B(sKt));
+      } else {
+        Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Config::SmemLayoutdS{});
+        Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Config::SmemLayoutKt{});
+        Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, M, K, buffer)
+        return make_tuple(tdQrdS(_, _, _, 0), tdQrdS(_, _, _, 1), thr_dq.partition_fragment_B(sKt));
+      }
+    }();
+    auto tdQrdS0 = get<0>(dq_operands);
+    auto tdQrdS1 = get<1>(dq_operands);
+    auto tdQrK = get<2>(dq_operands);
+
+    // dS^T from the S^T accumulator layout into dS's shared memory, transposed.
+    auto copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
+    auto thr_copy_ds = copy_ds.get_thread_slice(consumer_tid);
+    Tensor tdSsdS = thr_copy_ds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, M, N, buffer)
+
+    // Coordinates: (key, query) of the S^T elements, (query, column) of dQ's,
+    // (key, column) of dK's and dV's.
+    Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<BlockN, BlockM>{}));
+    Tensor cS_rc = make_tensor(cS.data(), RowColLayout(cS.layout()));
+    Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<BlockM, HeadDim>{}));
+    Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(Shape<BlockN, HeadDim>{}));
+
+    Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<BlockN, HeadDim>{});
+    Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<BlockN, HeadDim>{});
+    clear(tdVrdV);
+    clear(tdKrdK);
+
+    constexpr int kCols = decltype(size<1>(cS_rc))::value;  // queries per thread
+    const SoftmaxGrad<Config::kSoftcap> grad{
+        SoftmaxScales{a.scale, a.scale_log2, a.softcap, a.softcap_in, a.softcap_log2}};
+    const int n0 = tile.n_block * kBlockN;
+
+    if (m_lo < m_hi) {
+      smem.barrier_kv.wait(0);
+      PipelineState state;
+      int buffer = 0;
+      for (int g = 0; g < a.group; ++g) {
+        const int head = tile.kv_head * a.group + g;
+        for (int m = m_lo; m < m_hi; ++m) {
+          const int stage = static_cast<int>(state.index());
+          const int m0 = m * kBlockM;
+          Tensor tSrS = partition_fragment_C(mma_sdp, Shape<BlockN, BlockM>{});
+          Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<BlockN, BlockM>{});
+          pipe_q.consumer_wait(state);
+          IssueGemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
+          pipe_do.consumer_wait(state);
+          IssueGemm<true, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
+          // Decided while the GEMMs run (with segment ids it reads two summaries).
+          // Rebuilt per step from the kernel arguments (constant bank): a row mask kept across the
+          // loop would hold eight registers the consumer does not have.
+          const BlockMask mask = BlockMask::Make(a, tile.batch, m);
+          const bool need_mask = mask.template TileNeedsMask<kBlockM, kBlockN>(a, m0, n0) ||
+                                 m0 + kBlockM > mask.q_valid;
+          float stats[kCols];
+          CUTE_UNROLL
+          for (int c = 0; c < kCols; ++c) stats[c] = smem.lse_log2[stage][get<1>(cS_rc(0, c))];
+
+          warpgroup_wait<1>();
+          warpgroup_fence_operand(tSrS);
+          Tensor s = make_tensor(tSrS.data(), RowColLayout(tSrS.layout()));
+          Tensor rP = make_tensor_like<Element>(tSrS);
+          Tensor p = make_tensor(rP.data(), s.layout());
+          if (need_mask) {
+            mask.ApplyTransposed(a, s, cS_rc, m0, n0);
+            grad.template Probabilities<true>(s, p, stats);
+          } else {
+            grad.template Probabilities<false>(s, p, stats);
+          }
+          CUTE_UNROLL
+          for (int c = 0; c < kCols; ++c) stats[c] = smem.dpsum[stage][get<1>(cS_rc(0, c))];
+
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tdPrdP);
+          Tensor dp = make_tensor(tdPrdP.data(), s.layout());
+          grad.ScoreGrad(s, dp, stats);
+          Tensor rdS = make_tensor_like<Element>(tdPrdP);
+          CUTE_UNROLL
+          for (int i = 0; i < size(rdS); ++i) rdS(i) = static_cast<Element>(tdPrdP(i));
+          copy(copy_ds, thr_copy_ds.retile_S(rdS), tdSsdS(_, _, _, buffer));
+
+          // P^T and dS^T as the A operands of dV and dK: the accumulator and the
+          // A-register layouts hold the same elements in the same order.
+          Tensor tdVrP = make_tensor(rP.data(), make_layout(partition_shape_A(mma_dkv, Shape<BlockN, BlockM>{})));
+          Tensor tdKrdS = make_tensor(rdS.data(), make_layout(partition_shape_A(mma_dkv, Shape<BlockN, BlockM>{})));
+          IssueGemm<false, true>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), tdVrdV);
+          cutlass::arch::fence_view_async_shared();
+          if constexpr (kSplitKeys) NamedBarrierSync(kBwdBarrierDsWarpgroup + wg, 128);
+          else NamedBarrierSync(kBwdBarrierDs, Config::kConsumerThreads);
+          Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BlockM, HeadDim>{});
+          if (buffer == 0) IssueGemm<true, false>(mma_dq, tdQrdS0, tdQrK, tdQrdQ);
+          else IssueGemm<true, false>(mma_dq, tdQrdS1, tdQrK, tdQrdQ);
+          IssueGemm<false, true>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), tdKrdK);
+
+          warpgroup_wait<1>();
+          warpgroup_fence_operand(tdVrdV);
+          warpgroup_fence_operand(tdQrdQ);
+          pipe_do.consumer_release(state);
+          BwdEpilogue<Config>::AddDq(a, tile.batch, head, m, tdQrdQ, cdQ);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tdKrdK);
+          pipe_q.consumer_release(state);
+          ++state;
+          buffer ^= 1;
+        }
+      }
+    }
+    BwdEpilogue<Config>::StoreDkDv(a, tile, tdKrdK, tdVrdV, cdKV);
+  }
+};
+
+}  // namespace maxattn::sm90
+
+#endif  // MAXATTN_SM90_BWD_MAINLOOP_CONSUMER_H_

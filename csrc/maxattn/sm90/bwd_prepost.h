@@ -1,0 +1,50 @@
+// maxattn sm90: the backward's pre-pass and post-pass around the main kernel
+// (bwd_kernel.h).
+//
+// Pre-pass, per row (b, n, i) of [B, N, t_pad], one warp each:
+//   dpsum    = rowsum(dO o O) - dlse       (0 for i >= T)
+//   lse_log2 = lse * log2(e), or +inf where the row has no probability to
+//              give: i >= T, i >= the row's valid length, lse = -inf
+//   dsink   += -exp(sink - lse) * dpsum    (summed per (b, n); attention.h)
+// Post-pass: dq = scale * dq_accum, converted to the element type, [B, N, T, H]
+// fp32 -> [B, T, N, H].
+#ifndef MAXATTN_SM90_BWD_PREPOST_H_
+#define MAXATTN_SM90_BWD_PREPOST_H_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "maxattn/attention.h"
+
+namespace maxattn::sm90 {
+
+struct BwdPrepassArgs {
+  DType dtype = DType::kBFloat16;  // of out and dout
+  const void* out = nullptr;       // [B, T, N, H]
+  const void* dout = nullptr;      // [B, T, N, H]
+  const float* lse = nullptr;      // [B, N, T]
+  const float* dlse = nullptr;     // [B, N, T] or null (zero)
+  const int32_t* q_lens = nullptr;  // [B] or null
+  const float* sink = nullptr;     // [N] or null
+  float* lse_log2 = nullptr;       // [B, N, t_pad]
+  float* dpsum = nullptr;          // [B, N, t_pad]
+  float* dsink = nullptr;          // [B, N], zeroed before; or null
+  int batch = 0, q_len = 0, heads = 0, head_dim = 0, t_pad = 0;
+};
+
+Status LaunchBwdPrepass(const BwdPrepassArgs& args, cudaStream_t stream);
+
+struct BwdPostpassArgs {
+  DType dtype = DType::kBFloat16;  // of dq
+  const float* dq_accum = nullptr;  // [B, N, t_pad, H]
+  void* dq = nullptr;               // [B, T, N, H]
+  float scale = 1.0f;
+  int batch = 0, q_len = 0, heads = 0, head_dim = 0, t_pad = 0;
+};
+
+Status LaunchBwdPostpass(const BwdPostpassArgs& args, cudaStream_t stream);
+
+}  // namespace maxattn::sm90
+
+#endif  // MAXATTN_SM90_BWD_PREPOST_H_

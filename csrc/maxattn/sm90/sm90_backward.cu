@@ -1,0 +1,181 @@
+// maxattn sm90: the backward's host side -- argument checks, the workspace,
+// the degenerate cases, and the four launches on the stream: pre-pass
+// (bwd_prepost.h), segment summaries, the main kernel dispatched over its
+// instances (head dim x dtype x soft cap), post-pass.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <exception>
+#include <string>
+
+#include <cutlass/numeric_types.h>
+
+#include "maxattn/sm90/bwd_config.h"
+#include "maxattn/sm90/bwd_prepost.h"
+#include "maxattn/sm90/launch.h"
+#include "maxattn/sm90/problem.h"
+#include "maxattn/sm90/sm90_attention.h"
+
+namespace maxattn {
+namespace {
+
+using sm90::CudaStatus;
+
+int64_t ElementBytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+
+template <bool kSoftcap>
+Status DispatchBackward(const AttentionShape& shape, const sm90::BwdArgs& args, const AttentionInputs& inputs,
+                        const BackwardInputs& saved, cudaStream_t stream) {
+  using sm90::LaunchBackward;
+  const bool bf16 = inputs.dtype == DType::kBFloat16;
+  const void *q = inputs.q, *k = inputs.k, *v = inputs.v, *dout = saved.dout;
+  switch (shape.head_dim) {
+    case 64:
+      return bf16 ? LaunchBackward<64, cutlass::bfloat16_t, kSoftcap>(args, q, k, v, dout, stream)
+                  : LaunchBackward<64, cutlass::half_t, kSoftcap>(args, q, k, v, dout, stream);
+    case 128:
+      return bf16 ? LaunchBackward<128, cutlass::bfloat16_t, kSoftcap>(args, q, k, v, dout, stream)
+                  : LaunchBackward<128, cutlass::half_t, kSoftcap>(args, q, k, v, dout, stream);
+    default:
+      return Status::Internal("sm90 attention: no backward kernel for head_dim " + std::to_string(shape.head_dim));
+  }
+}
+
+Status CheckBuffers(const AttentionInputs& inputs, const BackwardInputs& saved, const BackwardOutputs& grads) {
+  const struct {
+    const void* ptr;
+    const char* name;
+  } buffers[] = {{saved.out, "saved.out"}, {saved.dout, "saved.dout"}, {saved.lse, "saved.lse"},
+                 {grads.dq, "grads.dq"},   {grads.dk, "grads.dk"},     {grads.dv, "grads.dv"}};
+  for (const auto& b : buffers) {
+    if (b.ptr == nullptr) return Status::InvalidArgument(std::string("sm90 attention: ") + b.name + " is null");
+  }
+  if (inputs.sink_logits != nullptr && grads.dsink == nullptr) {
+    return Status::InvalidArgument("sm90 attention: grads.dsink is null but the call has sink logits");
+  }
+  const void* const aligned[] = {saved.out, saved.dout, grads.dq, grads.dk, grads.dv};
+  for (const void* p : aligned) {
+    if (!sm90::Aligned16(p)) {
+      return Status::Unimplemented("sm90 backend: out, dout, dq, dk and dv must be 16-byte aligned");
+    }
+  }
+  return Status::Ok();
+}
+
+Status BackwardImpl(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs,
+                    const BackwardInputs& saved, const BackwardOutputs& grads, const DeviceContext& ctx) {
+  cudaStream_t stream = ctx.stream;
+  MAXATTN_RETURN_IF_ERROR(ValidateShapeAndOptions(shape, options, inputs));
+  if (auto reason = Sm90BackwardUnsupportedReason(shape, options, inputs)) return Status::Unimplemented(*reason);
+  MAXATTN_RETURN_IF_ERROR(CheckBuffers(inputs, saved, grads));
+  MAXATTN_RETURN_IF_ERROR(sm90::CheckSm90Device());
+
+  const int64_t B = shape.batch, T = shape.q_len, S = shape.kv_len, N = shape.num_q_heads, H = shape.head_dim;
+  const int64_t elem = ElementBytes(inputs.dtype);
+  const size_t dq_bytes = static_cast<size_t>(B * T * N * H * elem);
+  const size_t dkv_bytes = static_cast<size_t>(B * S * shape.num_kv_heads * H * elem);
+  if (grads.dsink != nullptr) {
+    MAXATTN_RETURN_IF_ERROR(
+        CudaStatus(cudaMemsetAsync(grads.dsink, 0, static_cast<size_t>(B * N) * 4, stream), "cudaMemsetAsync(dsink)"));
+  }
+  if (B == 0 || N == 0 || T == 0 || S == 0) {  // nothing is visible: zero gradients (and the sinks' own term)
+    if (dq_bytes > 0) MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(grads.dq, 0, dq_bytes, stream), "cudaMemsetAsync(dq)"));
+    if (dkv_bytes > 0) {
+      MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(grads.dk, 0, dkv_bytes, stream), "cudaMemsetAsync(dk)"));
+      MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(grads.dv, 0, dkv_bytes, stream), "cudaMemsetAsync(dv)"));
+    }
+    if (grads.dsink == nullptr || B * N * T == 0) return Status::Ok();
+  }
+
+  sm90::BwdArgs args;
+  static_cast<sm90::ProblemArgs&>(args) =
+      sm90::MakeProblemArgs(shape, options, inputs, sm90::kBwdBlockM, sm90::kBwdBlockN);
+  args.t_pad = args.num_m_blocks * sm90::kBwdBlockM;
+  args.dk = grads.dk;
+  args.dv = grads.dv;
+
+  // Workspace, one block: dQ accumulator, lse*log2(e), D - dlse, segment summaries.
+  const size_t accum_bytes = static_cast<size_t>(B * N * args.t_pad * H) * 4;
+  const size_t stats_bytes = static_cast<size_t>(B * N * args.t_pad) * 4;  // a multiple of 256
+  const bool segments = inputs.q_segment_ids != nullptr;
+  const size_t scratch_bytes =
+      accum_bytes + 2 * stats_bytes + (segments ? sm90::SegmentSummaryBytes(args, true) : 0);
+  char* scratch = static_cast<char*>(ctx.allocate ? ctx.allocate(scratch_bytes) : nullptr);
+  if (scratch == nullptr) {
+    return Status::Internal("sm90 attention: could not allocate " + std::to_string(scratch_bytes) +
+                            " bytes of backward workspace (dQ accumulator, row statistics, segment summaries)");
+  }
+  args.dq_accum = reinterpret_cast<float*>(scratch);
+  float* lse_log2 = reinterpret_cast<float*>(scratch + accum_bytes);
+  float* dpsum = reinterpret_cast<float*>(scratch + accum_bytes + stats_bytes);
+  args.lse_log2 = lse_log2;
+  args.dpsum = dpsum;
+
+  sm90::BwdPrepassArgs pre;
+  pre.dtype = inputs.dtype;
+  pre.out = saved.out;
+  pre.dout = saved.dout;
+  pre.lse = saved.lse;
+  pre.dlse = saved.dlse;
+  pre.q_lens = inputs.q_seq_lengths;
+  pre.sink = inputs.sink_logits;
+  pre.lse_log2 = lse_log2;
+  pre.dpsum = dpsum;
+  pre.dsink = grads.dsink;
+  pre.batch = static_cast<int>(B);
+  pre.q_len = static_cast<int>(T);
+  pre.heads = static_cast<int>(N);
+  pre.head_dim = static_cast<int>(H);
+  pre.t_pad = args.t_pad;
+  MAXATTN_RETURN_IF_ERROR(sm90::LaunchBwdPrepass(pre, stream));
+  if (S == 0) return Status::Ok();  // only the sinks' gradient was left to compute
+
+  MAXATTN_RETURN_IF_ERROR(
+      CudaStatus(cudaMemsetAsync(args.dq_accum, 0, accum_bytes, stream), "cudaMemsetAsync(dq accumulator)"));
+  if (segments) {
+    MAXATTN_RETURN_IF_ERROR(
+        sm90::PrepareSegments(inputs, true, scratch + accum_bytes + 2 * stats_bytes, stream, &args));
+  }
+  MAXATTN_RETURN_IF_ERROR(options.softcap > 0.0f ? DispatchBackward<true>(shape, args, inputs, saved, stream)
+                                                 : DispatchBackward<false>(shape, args, inputs, saved, stream));
+
+  sm90::BwdPostpassArgs post;
+  post.dtype = inputs.dtype;
+  post.dq_accum = args.dq_accum;
+  post.dq = grads.dq;
+  post.scale = options.scale;
+  post.batch = static_cast<int>(B);
+  post.q_len = static_cast<int>(T);
+  post.heads = static_cast<int>(N);
+  post.head_dim = static_cast<int>(H);
+  post.t_pad = args.t_pad;
+  return sm90::LaunchBwdPostpass(post, stream);
+}
+
+}  // namespace
+
+std::optional<std::string> Sm90BackwardUnsupportedReason(const AttentionShape& shape,
+                                                         const AttentionOptions& options,
+                                                         const AttentionInputs& inputs) {
+  if (auto reason = Sm90UnsupportedReason(shape, options, inputs)) return reason;
+  if (!sm90::BwdSupportsHeadDim(static_cast<int>(shape.head_dim))) {
+    return "sm90 backward: head_dim must be 64 or 128 (got " + std::to_string(shape.head_dim) + ")";
+  }
+  if (shape.num_kv_heads > 65535) return std::string("sm90 backward: num_kv_heads must be at most 65535");
+  return std::nullopt;
+}
+
+Status AttentionBackwardSm90(const AttentionShape& shape, const AttentionOptions& options,
+                             const AttentionInputs& inputs, const BackwardInputs& saved,
+                             const BackwardOutputs& grads, const DeviceContext& ctx) {
+  try {
+    return BackwardImpl(shape, options, inputs, saved, grads, ctx);
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("sm90 attention: ") + e.what());
+  } catch (...) {
+    return Status::Internal("sm90 attention: unknown exception");
+  }
+}
+
+}  // namespace maxattn
