@@ -1,4 +1,5 @@
-"""Device time per call, kernel by kernel, from Nsight Compute: the cost of max_logit, and ours vs FA3.
+"""Device time per call, kernel by kernel, from Nsight Compute: the cost of max_logit, ours vs FA3, and
+(with --bwd) the forward+backward of a training step on ours, on our cuDNN path and on FA3.
 
 Wall-clock timing of back-to-back calls (bench/gpu.py) spreads by 10-50% on
 the shared H200, more than the 2% overhead target. This script measures what
@@ -13,10 +14,13 @@ kernel a call launches (the attention kernel, our helpers and XLA's), split by
 origin. The "fa3" variant runs FlashAttention-3's forward (flash-attn3-jax
 flash_mha, when installed) on the same inputs, so its kernel time sits next to
 ours in one run; the gap between these sums and bench/gpu.py's wall clock is
-launch and dispatch cost.
+launch and dispatch cost. With --bwd the variants are instead the gradient of
+<out, ct> with respect to q, k and v (forward with lse, then backward):
+"fwd+bwd" on --impl, "cudnn fwd+bwd" on implementation="cudnn" and, with
+--fa3, "fa3 fwd+bwd" (flash_mha differentiated).
 
 Usage (on the GPU machine):
-    python bench/gpu_kernels.py [--impl cudnn|sm90] [--calls 5] [--shapes 0,1] [--fa3] [--json out.json]
+    python bench/gpu_kernels.py [--impl cudnn|sm90] [--calls 5] [--shapes 0,1] [--fa3] [--bwd] [--json out.json]
 """
 
 from __future__ import annotations
@@ -53,7 +57,17 @@ def _child(variant: str, shape_index: int, calls: int, impl: str) -> None:
     k = jax.random.normal(keys[1], (B, T, K, H), jnp.bfloat16)
     v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
 
-    if variant == "fa3":
+    if variant.endswith("fwd+bwd"):
+        ct = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
+        if variant.startswith("fa3"):
+            from flash_attn3_jax import flash_mha
+            attn = lambda q, k, v: flash_mha(q, k, v, softmax_scale=H ** -0.5, is_causal=causal)
+        else:
+            backend = "cudnn" if variant.startswith("cudnn") else impl
+            attn = lambda q, k, v: maxattn.dot_product_attention(q, k, v, is_causal=causal, implementation=backend)
+        grad = jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * ct), argnums=(0, 1, 2))
+        fn = jax.jit(grad)
+    elif variant == "fa3":
         from flash_attn3_jax import flash_mha
 
         @jax.jit
@@ -78,7 +92,7 @@ def _child(variant: str, shape_index: int, calls: int, impl: str) -> None:
 def _origin(name: str) -> str:
     """"attention" (the attention kernel: cuDNN's, our sm90 FwdKernel, FA3's), "maxattn" (our helper
     kernels) or "xla"."""
-    if "FwdKernel" in name:
+    if "FwdKernel" in name or "BwdKernel" in name:
         return "attention"
     if "maxattn" in name or "Finalize" in name or "ScaleRows" in name or "SinkRow" in name:
         return "maxattn"
@@ -120,13 +134,19 @@ def main() -> None:
     parser.add_argument("--shapes", default="0,1", help="indices into SHAPES")
     parser.add_argument("--impl", default="cudnn", help="maxattn implementation (cudnn or sm90)")
     parser.add_argument("--fa3", action="store_true", help="also profile FA3's forward (flash-attn3-jax)")
+    parser.add_argument("--bwd", action="store_true",
+                        help="forward+backward variants: --impl, cudnn and (with --fa3) FA3")
     parser.add_argument("--json")
     args = parser.parse_args()
     results = {}
-    variants = list(VARIANTS) + (["fa3"] if args.fa3 else [])
+    if args.bwd:
+        variants = ["fwd+bwd", "cudnn fwd+bwd"] + (["fa3 fwd+bwd"] if args.fa3 else [])
+    else:
+        variants = list(VARIANTS) + (["fa3"] if args.fa3 else [])
     print(f"# impl {args.impl}; device time per call (ncu --clock-control none, {args.calls} calls)")
+    cols = ("vs fwd+bwd", "vs cudnn fwd+bwd") if args.bwd else ("vs fwd", "vs fwd+lse")
     print("| B | T | N | K | H | causal | variant | GPU µs/call | attention µs | maxattn µs | XLA µs | kernels/call "
-          "| vs fwd | vs fwd+lse |")
+          f"| {cols[0]} | {cols[1]} |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for si in (int(s) for s in args.shapes.split(",")):
         B, T, N, K, H, causal = SHAPES[si]
@@ -142,10 +162,12 @@ def main() -> None:
                 b = row[base].get("us_per_call")
                 return f"{(r['us_per_call'] / b - 1) * 100:+.2f}%" if b else "—"
 
+            base = ("fwd+bwd", "cudnn fwd+bwd") if args.bwd else ("fwd", "fwd+lse")
+
             print(f"| {B} | {T} | {N} | {K} | {H} | {causal} | {v} | {r['us_per_call']:.1f} | "
                   f"{o.get('attention', 0):.1f} | "
-                  f"{o.get('maxattn', 0):.1f} | {o.get('xla', 0):.1f} | {r['kernels_per_call']:.0f} | {rel('fwd')} | "
-                  f"{rel('fwd+lse')} |")
+                  f"{o.get('maxattn', 0):.1f} | {o.get('xla', 0):.1f} | {r['kernels_per_call']:.0f} | {rel(base[0])} | "
+                  f"{rel(base[1])} |")
         for v, r in row.items():
             for name, us in r.get("kernels_us", {}).items():
                 print(f"#   {v:12s} {us:9.2f} µs  {name}")
