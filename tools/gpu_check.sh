@@ -7,7 +7,7 @@
 #
 #   tools/gpu_check.sh                       # everything
 #   STAGES="build test" tools/gpu_check.sh   # then STAGES="bench memcheck" in a second call
-#   TESTS="test_cudnn.py" tools/gpu_check.sh # a subset of the GPU test files
+#   TESTS="test_cudnn.py" tools/gpu_check.sh # a subset of the GPU test files (TEST_K: a pytest -k filter)
 #   STAGES=wheel tools/gpu_check.sh          # the CUDA 13 wheel, installed and tested (not in the default)
 #   STAGES=harness HARNESS_STAGES="build test" tools/gpu_check.sh
 #                                            # the standalone sm90 harnesses (tools/sm90_harness.sh)
@@ -90,7 +90,7 @@ if has test; then
   echo "== GPU tests"
   # Four workers share the GPU (no preallocation); compilation dominates, so this is ~2x faster.
   (cd tests/python && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -m gpu \
-      -n ${TEST_WORKERS:-4} -rfEs $TESTS -p no:cacheprovider --junitxml="$OUT/test.xml") 2>&1 \
+      -n ${TEST_WORKERS:-4} -rfEs ${TEST_K:+-k "$TEST_K"} $TESTS -p no:cacheprovider --junitxml="$OUT/test.xml") 2>&1 \
     | tee "$OUT/test.log" || status=1
 fi
 

@@ -552,6 +552,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--segments") && i + 1 < argc) docs = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--sinks")) sinks = true;
   }
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a crash keeps what was printed before it
   cudaDeviceProp prop;
   CUDA_OK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, cc %d.%d, %d SMs\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
