@@ -33,7 +33,7 @@ maxattn::AttentionShape ToShape(const Shape& sizes) {
 
 maxattn::AttentionOptions ToOptions(float scale, bool causal, int alignment, int64_t window_left,
                                     int64_t window_right, float softcap, float dropout_rate,
-                                    int64_t max_segments) {
+                                    int64_t max_segments, bool deterministic) {
   maxattn::AttentionOptions options;
   options.scale = scale;
   options.causal = causal;
@@ -43,6 +43,7 @@ maxattn::AttentionOptions ToOptions(float scale, bool causal, int alignment, int
   options.softcap = softcap;
   options.dropout_rate = dropout_rate;
   options.max_segments = max_segments;
+  options.deterministic = deterministic;
   return options;
 }
 
@@ -51,8 +52,8 @@ maxattn::AttentionOptions ToOptions(float scale, bool causal, int alignment, int
 // dtype's name, the AttentionOptions members, and the CallFeatures flags.
 std::optional<std::string> UnsupportedReason(const Shape& sizes, const std::string& dtype, float scale, bool causal,
                                              int alignment, int64_t window_left, int64_t window_right,
-                                             float softcap, float dropout_rate, int64_t max_segments, bool bias,
-                                             bool masked_by_bias, bool padding, bool sink) {
+                                             float softcap, float dropout_rate, int64_t max_segments, bool deterministic,
+                                             bool bias, bool masked_by_bias, bool padding, bool sink) {
   maxattn::cudnn::CallFeatures features;
   if (dtype == "bfloat16") {
     features.dtype = maxattn::DType::kBFloat16;
@@ -68,7 +69,8 @@ std::optional<std::string> UnsupportedReason(const Shape& sizes, const std::stri
   features.padding = padding;
   features.sink = sink;
   const maxattn::Status status = maxattn::cudnn::CheckSupported(
-      ToShape(sizes), ToOptions(scale, causal, alignment, window_left, window_right, softcap, dropout_rate, max_segments),
+      ToShape(sizes), ToOptions(scale, causal, alignment, window_left, window_right, softcap, dropout_rate, max_segments,
+                deterministic),
       features);
   if (status.ok()) return std::nullopt;
   return status.message();
@@ -81,7 +83,7 @@ std::optional<std::string> UnsupportedReason(const Shape& sizes, const std::stri
 // so the description uses aligned stand-ins for the operands that are present.
 std::optional<std::string> Sm90Reason(const Shape& sizes, const std::string& dtype, float scale, bool causal,
                                       int alignment, int64_t window_left, int64_t window_right, float softcap,
-                                      float dropout_rate, int64_t max_segments, bool bias, bool mask,
+                                      float dropout_rate, int64_t max_segments, bool deterministic, bool bias, bool mask,
                                       bool padding, bool segments, bool sink, bool backward) {
   maxattn::AttentionInputs inputs;
   if (dtype == "bfloat16") {
@@ -107,7 +109,8 @@ std::optional<std::string> Sm90Reason(const Shape& sizes, const std::string& dty
   if (sink) inputs.sink_logits = static_cast<const float*>(p);
   const maxattn::AttentionShape shape = ToShape(sizes);
   const maxattn::AttentionOptions options =
-      ToOptions(scale, causal, alignment, window_left, window_right, softcap, dropout_rate, max_segments);
+      ToOptions(scale, causal, alignment, window_left, window_right, softcap, dropout_rate, max_segments,
+                deterministic);
   return backward ? maxattn::Sm90BackwardUnsupportedReason(shape, options, inputs)
                   : maxattn::Sm90UnsupportedReason(shape, options, inputs);
 }
@@ -131,13 +134,13 @@ NB_MODULE(_maxattn_cuda, m) {
   });
   m.def("unsupported_reason", &UnsupportedReason, nb::arg("sizes"), nb::arg("dtype"), nb::kw_only(),
         nb::arg("scale"), nb::arg("causal"), nb::arg("alignment"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("softcap"), nb::arg("dropout_rate"), nb::arg("max_segments"), nb::arg("bias"), nb::arg("masked_by_bias"),
+        nb::arg("softcap"), nb::arg("dropout_rate"), nb::arg("max_segments"), nb::arg("deterministic"), nb::arg("bias"), nb::arg("masked_by_bias"),
         nb::arg("padding"), nb::arg("sink"),
         "None if the cudnn backend can run the described call, else the reason (cudnn::CheckSupported).");
 #ifdef MAXATTN_HAS_SM90
   m.def("sm90_unsupported_reason", &Sm90Reason, nb::arg("sizes"), nb::arg("dtype"), nb::kw_only(),
         nb::arg("scale"), nb::arg("causal"), nb::arg("alignment"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("softcap"), nb::arg("dropout_rate"), nb::arg("max_segments"), nb::arg("bias"), nb::arg("mask"), nb::arg("padding"),
+        nb::arg("softcap"), nb::arg("dropout_rate"), nb::arg("max_segments"), nb::arg("deterministic"), nb::arg("bias"), nb::arg("mask"), nb::arg("padding"),
         nb::arg("segments"), nb::arg("sink"), nb::arg("backward") = false,
         "None if the sm90 forward (backward=True: backward) can run the described call, else the reason "
         "(Sm90UnsupportedReason, Sm90BackwardUnsupportedReason).");

@@ -20,6 +20,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::maxattn::AttentionOptions,
                                       ::xla::ffi::StructMember<int64_t>("window_right"),
                                       ::xla::ffi::StructMember<float>("softcap"),
                                       ::xla::ffi::StructMember<float>("dropout_rate"),
-                                      ::xla::ffi::StructMember<int64_t>("max_segments"));
+                                      ::xla::ffi::StructMember<int64_t>("max_segments"),
+                                      ::xla::ffi::StructMember<bool>("deterministic"));
 
 #endif  // MAXATTN_FFI_OPTIONS_ATTR_H_

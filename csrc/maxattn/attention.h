@@ -123,6 +123,10 @@ struct AttentionOptions {
   // ragged sequences; the result is the dense rule's wherever the promise
   // holds. 0: no promise. At most kMaxSegmentsPerRow; needs segment ids.
   int64_t max_segments = 0;
+  // The backward sums every gradient in a fixed order, so two runs on the same
+  // inputs give bit-identical dq, dk, dv and dsink (at some cost in time; the
+  // forward is deterministic anyway). Backends whose backward always is ignore it.
+  bool deterministic = false;
 };
 
 inline constexpr int64_t kMaxSegmentsPerRow = 1024;

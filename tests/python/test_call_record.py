@@ -36,7 +36,7 @@ def test_canonicalize_builds_one_record():
     np.testing.assert_array_equal(ops.sink_logits, np.zeros(4, np.float32))
     # The attributes are exactly the C++ AttentionOptions members.
     assert list(o.ffi_attributes()) == ["scale", "causal", "alignment", "window_left", "window_right", "softcap",
-                                        "dropout_rate", "max_segments"]
+                                        "dropout_rate", "max_segments", "deterministic"]
     # A pytree: options are static metadata, operands the leaves.
     leaves, tree = jax.tree.flatten(call)
     assert len(leaves) == 5 and jax.tree.unflatten(tree, leaves).options == o
@@ -91,3 +91,22 @@ def test_vmap_folds_once_into_the_batch():
     assert out.shape == (3, 2, 2, 8, 2, 8) and aux["max_logit"].shape == (3, 2, 2)
     ref = maxattn.reference(qs[2, 1], ks[2, 1], vs[2, 1], return_max_logit=True)[1]["max_logit"]
     np.testing.assert_allclose(aux["max_logit"][2, 1], ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "xla"])
+def test_deterministic_backward_is_an_option(impl):
+    """deterministic_backward is a static option of the record; cpu and xla are deterministic
+    already, so it changes no bit there. It must be a Python bool."""
+    q, k, v = random_inputs(5, 2, 40, 56, 4, 2, 16, 16, jnp.float32)
+    assert canonicalize(q, k, v, deterministic_backward=True).call.options.deterministic
+    assert not canonicalize(q, k, v).call.options.deterministic
+
+    def grads(det):
+        loss = lambda q, k, v: jnp.sum(maxattn.dot_product_attention(
+            q, k, v, is_causal=True, implementation=impl, deterministic_backward=det) ** 2)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    for a, b in zip(grads(False), grads(True)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(TypeError, match="`deterministic_backward`"):
+        maxattn.dot_product_attention(q, k, v, deterministic_backward=1)

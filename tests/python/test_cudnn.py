@@ -321,3 +321,64 @@ def test_sm90_backward_repeats():
     np.testing.assert_array_equal(np.asarray(dk1, np.float32), np.asarray(dk2, np.float32))
     np.testing.assert_array_equal(np.asarray(dv1, np.float32), np.asarray(dv2, np.float32))
     assert_close(dq1, np.asarray(dq2, np.float32), 1e-2, "dq")
+
+
+# deterministic_backward=True: every gradient bit-identical across runs. sm90 orders its dQ adds
+# (CTAs in turn per query block); cudnn uses cuDNN's deterministic algorithm. Cases with many key
+# blocks per query block (the adds that can race), GQA, padding, segment ids and sinks.
+DETERMINISTIC_CASES = {
+    "dense_gqa": (2, 1024, 1024, 8, 2, 128, {}),
+    "causal_padding_h64": (3, 700, 900, 4, 4, 64, dict(is_causal=True, causal_alignment="bottom_right",
+                                                        query_seq_lengths=np.array([700, 333, 1], np.int32),
+                                                        key_value_seq_lengths=np.array([900, 512, 600], np.int32))),
+    "segments_window": (2, 1000, 1000, 4, 2, 128, dict(local_window_size=(300, 0), q_segment_ids="runs",
+                                                        kv_segment_ids="runs")),
+    "sinks_causal": (2, 640, 640, 4, 2, 128, dict(is_causal=True, softmax_type="learnable",
+                                                   sink_logits=np.array([0.5, -1.0, 2.0, 0.0], np.float32))),
+}
+
+
+def _deterministic_case(name):
+    B, T, S, N, K, H, kwargs = DETERMINISTIC_CASES[name]
+    q, k, v = random_inputs(31, B, T, S, N, K, H, H, jnp.bfloat16)
+    rng = np.random.default_rng(32)
+    kwargs = dict(kwargs)
+    if kwargs.get("q_segment_ids") == "runs":  # unequal runs, a padding run (id 0) in row 1
+        ids = np.zeros((B, T), np.int32)
+        ids[0] = np.repeat([1, 2, 3, 4], [130, 470, 1, 399])
+        ids[1] = np.repeat([0, 5, 6], [100, 650, 250])
+        kwargs["q_segment_ids"] = kwargs["kv_segment_ids"] = jnp.asarray(ids)
+    ct_out = jnp.asarray(rng.standard_normal(q.shape[:3] + (H,)), jnp.float32)
+    ct_lse = jnp.asarray(rng.standard_normal((B, N, T)), jnp.float32)
+    return q, k, v, ct_out, ct_lse, kwargs
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("name", DETERMINISTIC_CASES)
+def test_deterministic_backward_is_bit_identical(impl, name):
+    q, k, v, ct_out, ct_lse, kwargs = _deterministic_case(name)
+    if impl == "cudnn" and "sink_logits" not in kwargs and "q_segment_ids" in kwargs:
+        kwargs["max_segments_per_row"] = 4  # cuDNN's ragged path (the dense-bias one is covered elsewhere)
+    run = jax.jit(lambda q, k, v, ct_out, ct_lse: loss_and_grads(
+        _attention(impl), q, k, v, None, ct_out, ct_lse, deterministic_backward=True, **kwargs))
+    first = run(q, k, v, ct_out, ct_lse)
+    for _ in range(2):
+        again = run(q, k, v, ct_out, ct_lse)
+        for a, b, what in zip(first[2], again[2], ("dq", "dk", "dv")):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=what)
+    kwargs.pop("max_segments_per_row", None)
+    _, _, r_grads = reference64(q, k, v, None, ct_out, ct_lse, **kwargs)
+    for g, rg, what in zip(first[2], r_grads, ("dq", "dk", "dv")):
+        assert_close(g, rg, OUT_TOL[jnp.bfloat16], what)
+
+
+def test_deterministic_backward_reaches_the_kernels():
+    """The option is an attribute of the backward targets (and changes nothing in the forward)."""
+    q, k, v = random_inputs(3, 1, 256, 256, 2, 2, 128, 128, jnp.bfloat16)
+    for impl in BACKENDS:
+        hlo = {}
+        for det in (False, True):
+            loss = lambda q, k, v: jnp.sum(maxattn.dot_product_attention(
+                q, k, v, is_causal=True, implementation=impl, deterministic_backward=det).astype(jnp.float32))
+            hlo[det] = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+        assert "deterministic = true" in hlo[True] and "deterministic = true" not in hlo[False], impl

@@ -402,6 +402,7 @@ Status AttentionBackwardCudnn(const AttentionShape& shape, const AttentionOption
   RaggedPart ragged(shape, options, inputs, &spec);
   spec.backward = true;
   spec.want_dbias = spec.has_bias && grads.dbias != nullptr;
+  spec.deterministic = options.deterministic;
 
   std::unique_ptr<HandleLease> lease;
   MAXATTN_RETURN_IF_ERROR(HandleLease::Acquire(ctx.device, ctx.stream, &lease));

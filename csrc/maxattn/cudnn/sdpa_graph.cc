@@ -228,7 +228,10 @@ std::shared_ptr<fe::graph::Graph> DefineBackward(const GraphSpec& spec) {
     SetRagged(t, offset);
   }
   auto stats = RowStats(*g, "Stats", kUidStats, spec, ragged);
-  auto attrs = fe::graph::SDPA_backward_attributes().set_name("maxattn_sdpa_bwd").set_attn_scale(spec.scale);
+  auto attrs = fe::graph::SDPA_backward_attributes()
+                   .set_name("maxattn_sdpa_bwd")
+                   .set_attn_scale(spec.scale)
+                   .set_deterministic_algorithm(spec.deterministic);
   if (spec.has_bias) {
     attrs.set_bias(BiasLike(*g, "Bias", kUidBias, spec.bias_dims));
     if (spec.want_dbias) {
@@ -286,7 +289,7 @@ std::vector<int64_t> Key(const GraphSpec& spec, int device) {
           m.padding, m.bottom_right, m.left_bound.has_value(), m.left_bound.value_or(0),
           m.right_bound.has_value(), m.right_bound.value_or(0), spec.has_bias, spec.bias_dims.b,
           spec.bias_dims.n, spec.bias_dims.t, spec.bias_dims.s, static_cast<int64_t>(spec.stats),
-          spec.want_dbias, dropout_bits, spec.sink, spec.ragged_segments, spec.wide_offsets};
+          spec.want_dbias, dropout_bits, spec.sink, spec.ragged_segments, spec.wide_offsets, spec.deterministic};
 }
 
 struct HandleDeleter {

@@ -76,6 +76,7 @@ struct GraphSpec {
   BroadcastDims bias_dims;
   StatsMode stats = StatsMode::kNone;  // forward only
   bool want_dbias = false;             // backward only
+  bool deterministic = false;          // backward only: cuDNN's deterministic algorithm
   float dropout = 0.0f;                // probability; > 0 adds the Seed and Offset inputs
   bool sink = false;                   // forward only: cuDNN's sink token (f32 [1, N, 1, 1])
   // > 0: a ragged call (ragged.h): every batch row is this many sequences of

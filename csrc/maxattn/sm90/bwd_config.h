@@ -35,6 +35,10 @@ namespace maxattn::sm90 {
 
 constexpr int kBwdBlockM = 64;   // query rows per step
 constexpr int kBwdBlockN = 128;  // keys per CTA
+// The deterministic mode keeps one int per query block of a CTA's walk in shared
+// memory, past SharedStorage: at most this many query blocks (T <= 1,024,000),
+// which fits next to both instances' storage.
+constexpr int kBwdMaxOrderedQueryBlocks = 16000;
 
 // Whether the backward has kernels for this head dim.
 constexpr bool BwdSupportsHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128; }
@@ -130,7 +134,11 @@ struct BwdConfig {
     alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_kv;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");
+  // With the deterministic mode's turn table (bwd_dq_order.h): one int per query block, and one more.
+  static constexpr int SmemBytes(bool ordered, int num_m_blocks) {
+    return kSmemBytes + (ordered ? (num_m_blocks + 1) * static_cast<int>(sizeof(int)) : 0);
+  }
+  static_assert(SmemBytes(true, kBwdMaxOrderedQueryBlocks) <= 227 * 1024, "shared memory budget of one SM90 CTA");
 
   using GmemTensor = GmemTensorOf<Element>;
   using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
@@ -141,10 +149,14 @@ struct BwdConfig {
 };
 
 // Named barriers of the backward's consumers (0 is __syncthreads): kBwdBarrierDs
-// (256 threads: both warpgroups' dS are in shared memory) and, with
-// kDqSplitKeys, kBwdBarrierDsWarpgroup + w (128 threads: warpgroup w's are).
+// (256 threads: both warpgroups' dS are in shared memory; also the set-up of the
+// deterministic mode's turns), with kDqSplitKeys kBwdBarrierDsWarpgroup + w
+// (128 threads: warpgroup w's are), and in the deterministic mode
+// kBwdBarrierDqTurn + w (128 threads: warpgroup w's dQ turn, bwd_dq_order.h).
 constexpr int kBwdBarrierDs = 1;
 constexpr int kBwdBarrierDsWarpgroup = 2;
+constexpr int kBwdBarrierDqTurn = 4;
+
 
 // Run-time arguments of the backward instances.
 struct BwdArgs : ProblemArgs {
@@ -154,6 +166,10 @@ struct BwdArgs : ProblemArgs {
   void* dk = nullptr;               // [B, S, K, H]
   void* dv = nullptr;               // [B, S, K, H]
   int t_pad = 0;                    // num_m_blocks * kBwdBlockM
+  // Deterministic mode (bwd_dq_order.h): a turn counter per (b, query head,
+  // query block), [B, N, num_m_blocks] zeroed before the kernel. Null: dQ tiles
+  // are added in whatever order the CTAs get there.
+  int* dq_turns = nullptr;
 };
 
 template <class Config>

@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
@@ -48,7 +50,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_co
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
-  const BwdTile tile = BwdStaticScheduler::Get();
+  const bool ordered = p.args.dq_turns != nullptr;  // deterministic mode (bwd_dq_order.h)
+  const BwdTile tile = BwdStaticScheduler::Get(p.args, ordered);
   int m_lo = 0, m_hi = 0;
   BlockMask::MakeRow(p.args, tile.batch)
       .template QueryBlockRange<Config::kBlockM, Config::kBlockN>(p.args, tile.n_block * Config::kBlockN, &m_lo,
@@ -58,7 +61,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_co
     if (threadIdx.x == 0 && m_lo < m_hi) BwdProducer<Config>::Run(p, smem, pipe_q, pipe_do, tile, m_lo, m_hi);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
-    BwdConsumer<Config>::Run(p.args, smem, pipe_q, pipe_do, tile, m_lo, m_hi, static_cast<int>(threadIdx.x) - 128);
+    int* order_table = reinterpret_cast<int*>(smem_raw + sizeof(SharedStorage));
+    BwdConsumer<Config>::Run(p.args, smem, pipe_q, pipe_do, tile, m_lo, m_hi, static_cast<int>(blockIdx.x),
+                             order_table, static_cast<int>(threadIdx.x) - 128);
   }
 #endif
 }
@@ -87,11 +92,17 @@ Status LaunchBackward(const BwdArgs& args, const void* q, const void* k, const v
                           typename Config::SmemLayoutV{}, TileKV{}, _1{});
   p.args = args;
 
+  const bool ordered = args.dq_turns != nullptr;
+  if (ordered && args.num_m_blocks > kBwdMaxOrderedQueryBlocks) {
+    return Status::Unimplemented("sm90 deterministic backward: at most " +
+                                 std::to_string(kBwdMaxOrderedQueryBlocks * kBwdBlockM) + " queries");
+  }
+  const int smem_bytes = Config::SmemBytes(ordered, args.num_m_blocks);
   auto kernel = &BwdKernel<Config>;
   MAXATTN_RETURN_IF_ERROR(CudaStatus(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes),
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
       "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)"));
-  kernel<<<BwdStaticScheduler::Grid(args), Config::kThreads, Config::kSmemBytes, stream>>>(p);
+  kernel<<<BwdStaticScheduler::Grid(args), Config::kThreads, smem_bytes, stream>>>(p);
   return CudaStatus(cudaGetLastError(), "backward kernel launch");
 }
 

@@ -8,7 +8,8 @@
 //      transposed into dS's keys-contiguous layout, one of two buffers);
 //   4. issue dV += P^T dO; make dS visible to the tensor cores (proxy fence,
 //      named barrier); issue dQ = dS K and dK += dS^T Q;
-//   5. dV and dQ retired: release the dO stage, add dQ into dq_accum;
+//   5. dV and dQ retired: release the dO stage, add dQ into dq_accum (in the
+//      deterministic mode, in this warpgroup's turn: bwd_dq_order.h);
 //      dK retired: release the Q stage.
 // dK and dV stay in registers for the whole walk and are stored once
 // (bwd_epilogue.h).
@@ -20,6 +21,7 @@
 
 #include "maxattn/sm90/barrier.h"
 #include "maxattn/sm90/bwd_config.h"
+#include "maxattn/sm90/bwd_dq_order.h"
 #include "maxattn/sm90/bwd_epilogue.h"
 #include "maxattn/sm90/gemm.h"
 #include "maxattn/sm90/mask.h"
@@ -36,9 +38,12 @@ struct BwdConsumer {
   using PipelineState = typename Config::PipelineState;
 
   // Walks query blocks [m_lo, m_hi) of every head of the tile's group (none
-  // when empty) and stores dK and dV of the tile's keys.
+  // when empty) and stores dK and dV of the tile's keys. launch_index and
+  // order_table: the CTA's place in its row and shared memory for the turns
+  // of the deterministic mode (a.dq_turns set).
   __device__ static void Run(const BwdArgs& a, SharedStorage& smem, Pipeline& pipe_q, Pipeline& pipe_do,
-                             const BwdTile& tile, int m_lo, int m_hi, int consumer_tid) {
+                             const BwdTile& tile, int m_lo, int m_hi, int launch_index, int* order_table,
+                             int consumer_tid) {
     using namespace cute;
     using BlockM = typename Config::BlockM;
     using BlockN = typename Config::BlockN;
@@ -115,6 +120,10 @@ struct BwdConsumer {
     const int n0 = tile.n_block * kBlockN;
 
     if (m_lo < m_hi) {
+      DqOrder<Config> order;
+      if (a.dq_turns != nullptr) {
+        order = DqOrder<Config>::Make(a, tile, launch_index, m_lo, m_hi, order_table, consumer_tid);
+      }
       smem.barrier_kv.wait(0);
       PipelineState state;
       int buffer = 0;
@@ -156,7 +165,8 @@ struct BwdConsumer {
           warpgroup_wait<0>();
           warpgroup_fence_operand(tdPrdP);
           Tensor dp = make_tensor(tdPrdP.data(), s.layout());
-          grad.ScoreGrad(s, dp, stats);
+          if (need_mask) grad.template ScoreGrad<true>(s, dp, stats);
+          else grad.template ScoreGrad<false>(s, dp, stats);
           Tensor rdS = make_tensor_like<Element>(tdPrdP);
           CUTE_UNROLL
           for (int i = 0; i < size(rdS); ++i) rdS(i) = static_cast<Element>(tdPrdP(i));
@@ -179,7 +189,13 @@ struct BwdConsumer {
           warpgroup_fence_operand(tdVrdV);
           warpgroup_fence_operand(tdQrdQ);
           pipe_do.consumer_release(state);
-          BwdEpilogue<Config>::AddDq(a, tile.batch, head, m, tdQrdQ, cdQ);
+          auto add_dq = [&] { BwdEpilogue<Config>::AddDq(a, tile.batch, head, m, tdQrdQ, cdQ); };
+          if (order.active()) {
+            int* counter = a.dq_turns + (static_cast<int64_t>(tile.batch) * a.heads + head) * a.num_m_blocks + m;
+            order.InTurn(counter, m, wg, consumer_tid % 128, add_dq);
+          } else {
+            add_dq();
+          }
           warpgroup_wait<0>();
           warpgroup_fence_operand(tdKrdK);
           pipe_q.consumer_release(state);

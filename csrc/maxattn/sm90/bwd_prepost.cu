@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kWarps * 32) BwdPrepassKernel(BwdPrepassArgs a
         const int64_t src = (static_cast<int64_t>(b) * a.heads + n) * a.q_len + i;
         if (a.dlse != nullptr) d -= a.dlse[src];
         lse = a.lse[src];
-        if (a.sink != nullptr) dsink -= expf(sink - lse) * d;
+        if (a.sink != nullptr && sink != -INFINITY) dsink -= expf(sink - lse) * d;  // a -inf sink: no weight, 0 (as cpu)
         if (i >= q_valid || lse == -INFINITY) lse = INFINITY;
         else lse *= kLog2e;
       }
@@ -76,8 +76,18 @@ __global__ void __launch_bounds__(kWarps * 32) BwdPrepassKernel(BwdPrepassArgs a
   if (threadIdx.x == 0) {
     float sum = 0.0f;
     for (int w = 0; w < kWarps; ++w) sum += partial[w];
-    atomicAdd(a.dsink + static_cast<int64_t>(b) * a.heads + n, sum);
+    a.dsink_partial[(static_cast<int64_t>(b) * a.heads + n) * gridDim.x + blockIdx.x] = sum;
   }
+}
+
+// Grid (N, B), one warp: dsink[b, n] = the sum of the pre-pass blocks' partials,
+// lane by lane in block order, then a fixed shuffle tree.
+__global__ void __launch_bounds__(32) DsinkSumKernel(const float* partial, int blocks, float* dsink) {
+  const int64_t row = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  float sum = 0.0f;
+  for (int i = static_cast<int>(threadIdx.x); i < blocks; i += 32) sum += partial[row * blocks + i];
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (threadIdx.x == 0) dsink[row] = sum;
 }
 
 // Grid (ceil(T / 8), N, B); one warp per row (b, i, n).
@@ -99,15 +109,22 @@ __global__ void __launch_bounds__(kWarps * 32) BwdPostpassKernel(BwdPostpassArgs
 
 }  // namespace
 
+int BwdPrepassBlocks(int t_pad) { return (t_pad + kRowsPerBlock - 1) / kRowsPerBlock; }
+
 Status LaunchBwdPrepass(const BwdPrepassArgs& args, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((args.t_pad + kRowsPerBlock - 1) / kRowsPerBlock),
-                  static_cast<unsigned>(args.heads), static_cast<unsigned>(args.batch));
+  const int blocks = BwdPrepassBlocks(args.t_pad);
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(args.heads),
+                  static_cast<unsigned>(args.batch));
   if (args.dtype == DType::kBFloat16) {
     BwdPrepassKernel<__nv_bfloat162><<<grid, kWarps * 32, 0, stream>>>(args);
   } else {
     BwdPrepassKernel<__half2><<<grid, kWarps * 32, 0, stream>>>(args);
   }
-  return CudaStatus(cudaGetLastError(), "backward pre-pass launch");
+  MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "backward pre-pass launch"));
+  if (args.dsink == nullptr) return Status::Ok();
+  DsinkSumKernel<<<dim3(static_cast<unsigned>(args.heads), static_cast<unsigned>(args.batch)), 32, 0, stream>>>(
+      args.dsink_partial, blocks, args.dsink);
+  return CudaStatus(cudaGetLastError(), "backward dsink sum launch");
 }
 
 Status LaunchBwdPostpass(const BwdPostpassArgs& args, cudaStream_t stream) {

@@ -5,7 +5,10 @@
 //   dpsum    = rowsum(dO o O) - dlse       (0 for i >= T)
 //   lse_log2 = lse * log2(e), or +inf where the row has no probability to
 //              give: i >= T, i >= the row's valid length, lse = -inf
-//   dsink   += -exp(sink - lse) * dpsum    (summed per (b, n); attention.h)
+//   dsink    = -sum_i exp(sink - lse_i) * dpsum_i   per (b, n) (attention.h):
+//              each pre-pass block writes its partial sum, and a second
+//              kernel adds a (b, n)'s partials in a fixed order (the same
+//              bits on every run, as the main kernel's dK and dV).
 // Post-pass: dq = scale * dq_accum, converted to the element type, [B, N, T, H]
 // fp32 -> [B, T, N, H].
 #ifndef MAXATTN_SM90_BWD_PREPOST_H_
@@ -29,9 +32,13 @@ struct BwdPrepassArgs {
   const float* sink = nullptr;     // [N] or null
   float* lse_log2 = nullptr;       // [B, N, t_pad]
   float* dpsum = nullptr;          // [B, N, t_pad]
-  float* dsink = nullptr;          // [B, N], zeroed before; or null
+  float* dsink = nullptr;          // [B, N] or null
+  float* dsink_partial = nullptr;  // [B, N, BwdPrepassBlocks(t_pad)] workspace, with dsink
   int batch = 0, q_len = 0, heads = 0, head_dim = 0, t_pad = 0;
 };
+
+// Blocks of the pre-pass per (b, n): the partial sums of dsink per (b, n).
+int BwdPrepassBlocks(int t_pad);
 
 Status LaunchBwdPrepass(const BwdPrepassArgs& args, cudaStream_t stream);
 

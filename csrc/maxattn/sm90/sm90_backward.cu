@@ -95,20 +95,36 @@ Status BackwardImpl(const AttentionShape& shape, const AttentionOptions& options
   args.dk = grads.dk;
   args.dv = grads.dv;
 
-  // Workspace, one block: dQ accumulator, lse*log2(e), D - dlse, segment summaries.
+  // Workspace, one block: dQ accumulator, lse*log2(e), D - dlse, the partial
+  // sums of dsink, the dQ turn counters of the deterministic mode, segment
+  // summaries (each part a multiple of 256 bytes).
+  auto round256 = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
   const size_t accum_bytes = static_cast<size_t>(B * N * args.t_pad * H) * 4;
-  const size_t stats_bytes = static_cast<size_t>(B * N * args.t_pad) * 4;  // a multiple of 256
+  const size_t stats_bytes = static_cast<size_t>(B * N * args.t_pad) * 4;
+  const size_t partial_bytes =
+      grads.dsink != nullptr ? round256(static_cast<size_t>(B * N * sm90::BwdPrepassBlocks(args.t_pad)) * 4) : 0;
+  const size_t turns_bytes =
+      options.deterministic ? round256(static_cast<size_t>(B * N * args.num_m_blocks) * 4) : 0;
   const bool segments = inputs.q_segment_ids != nullptr;
-  const size_t scratch_bytes =
-      accum_bytes + 2 * stats_bytes + (segments ? sm90::SegmentSummaryBytes(args, true) : 0);
+  const size_t scratch_bytes = accum_bytes + 2 * stats_bytes + partial_bytes + turns_bytes +
+                               (segments ? sm90::SegmentSummaryBytes(args, true) : 0);
   char* scratch = static_cast<char*>(ctx.allocate ? ctx.allocate(scratch_bytes) : nullptr);
   if (scratch == nullptr) {
     return Status::Internal("sm90 attention: could not allocate " + std::to_string(scratch_bytes) +
                             " bytes of backward workspace (dQ accumulator, row statistics, segment summaries)");
   }
-  args.dq_accum = reinterpret_cast<float*>(scratch);
-  float* lse_log2 = reinterpret_cast<float*>(scratch + accum_bytes);
-  float* dpsum = reinterpret_cast<float*>(scratch + accum_bytes + stats_bytes);
+  char* next = scratch;
+  auto take = [&next](size_t bytes) {
+    char* part = next;
+    next += bytes;
+    return part;
+  };
+  args.dq_accum = reinterpret_cast<float*>(take(accum_bytes));
+  float* lse_log2 = reinterpret_cast<float*>(take(stats_bytes));
+  float* dpsum = reinterpret_cast<float*>(take(stats_bytes));
+  float* dsink_partial = reinterpret_cast<float*>(take(partial_bytes));
+  args.dq_turns = options.deterministic ? reinterpret_cast<int*>(take(turns_bytes)) : nullptr;
+  char* segment_summaries = take(0);
   args.lse_log2 = lse_log2;
   args.dpsum = dpsum;
 
@@ -123,6 +139,7 @@ Status BackwardImpl(const AttentionShape& shape, const AttentionOptions& options
   pre.lse_log2 = lse_log2;
   pre.dpsum = dpsum;
   pre.dsink = grads.dsink;
+  pre.dsink_partial = dsink_partial;
   pre.batch = static_cast<int>(B);
   pre.q_len = static_cast<int>(T);
   pre.heads = static_cast<int>(N);
@@ -133,10 +150,11 @@ Status BackwardImpl(const AttentionShape& shape, const AttentionOptions& options
 
   MAXATTN_RETURN_IF_ERROR(
       CudaStatus(cudaMemsetAsync(args.dq_accum, 0, accum_bytes, stream), "cudaMemsetAsync(dq accumulator)"));
-  if (segments) {
+  if (args.dq_turns != nullptr) {
     MAXATTN_RETURN_IF_ERROR(
-        sm90::PrepareSegments(inputs, true, scratch + accum_bytes + 2 * stats_bytes, stream, &args));
+        CudaStatus(cudaMemsetAsync(args.dq_turns, 0, turns_bytes, stream), "cudaMemsetAsync(dq turn counters)"));
   }
+  if (segments) MAXATTN_RETURN_IF_ERROR(sm90::PrepareSegments(inputs, true, segment_summaries, stream, &args));
   MAXATTN_RETURN_IF_ERROR(options.softcap > 0.0f ? DispatchBackward<true>(shape, args, inputs, saved, stream)
                                                  : DispatchBackward<false>(shape, args, inputs, saved, stream));
 
@@ -163,6 +181,11 @@ std::optional<std::string> Sm90BackwardUnsupportedReason(const AttentionShape& s
     return "sm90 backward: head_dim must be 64 or 128 (got " + std::to_string(shape.head_dim) + ")";
   }
   if (shape.num_kv_heads > 65535) return std::string("sm90 backward: num_kv_heads must be at most 65535");
+  if (options.deterministic && shape.q_len > int64_t{sm90::kBwdMaxOrderedQueryBlocks} * sm90::kBwdBlockM) {
+    return "sm90 backward: deterministic mode needs q_len <= " +
+           std::to_string(int64_t{sm90::kBwdMaxOrderedQueryBlocks} * sm90::kBwdBlockM) + " (got " +
+           std::to_string(shape.q_len) + ")";
+  }
   return std::nullopt;
 }
 

@@ -192,8 +192,8 @@ struct SoftmaxGrad {
   // column's lse*log2(e). Writes P to p (the element type, for the dV GEMM)
   // and leaves in s what ScoreGrad multiplies (P, or P * (1 - t^2)).
   // kMasked: the tile went through the mask, so a -inf score gives P = 0 even
-  // where the row's lse is NaN (a NaN query row must not reach keys it does
-  // not see).
+  // where the row's lse is NaN (a NaN query row must not reach the dV or dQ
+  // of keys it does not see; dK: docs/contract.md).
   template <bool kMasked, class TensorS, class TensorP, int kCols>
   __device__ __forceinline__ void Probabilities(TensorS& s, TensorP& p, const float (&lse2)[kCols]) const {
     using namespace cute;
@@ -220,14 +220,19 @@ struct SoftmaxGrad {
   }
 
   // dp: dP of the same view, replaced by dS; s: what Probabilities left;
-  // dpsum[c]: the column's D - dlse.
-  template <class TensorS, class TensorDp, int kCols>
+  // dpsum[c]: the column's D - dlse. kMasked: a masked entry (P = 0) gets dS =
+  // 0 even where dP or D is not finite (NaN or inf in a padding row of V or
+  // dO must not reach dQ or dK through 0 * NaN).
+  template <bool kMasked, class TensorS, class TensorDp, int kCols>
   __device__ __forceinline__ static void ScoreGrad(const TensorS& s, TensorDp& dp, const float (&dpsum)[kCols]) {
     using namespace cute;
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) {
       CUTE_UNROLL
-      for (int r = 0; r < size<0>(s); ++r) dp(r, c) = s(r, c) * (dp(r, c) - dpsum[c]);
+      for (int r = 0; r < size<0>(s); ++r) {
+        const float ds = s(r, c) * (dp(r, c) - dpsum[c]);
+        dp(r, c) = kMasked && s(r, c) == 0.0f ? 0.0f : ds;
+      }
     }
   }
 };

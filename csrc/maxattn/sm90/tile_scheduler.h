@@ -84,14 +84,25 @@ struct BwdTile {
   int batch;
 };
 
+// The backward: one CTA per (key block, KV head, batch), key blocks fastest.
+// Key block n = blockIdx.x, except in the deterministic mode (bwd_dq_order.h),
+// where the key blocks are launched last first: the order of the dQ adds is
+// the launch order there, and under a causal mask the last key block's CTA
+// (the shortest walk, starting on the diagonal) reaches each query block first.
 struct BwdStaticScheduler {
   static dim3 Grid(const ProblemArgs& args) {
     return dim3(static_cast<unsigned>(args.num_n_blocks), static_cast<unsigned>(args.kv_heads),
                 static_cast<unsigned>(args.batch));
   }
 
-  __device__ static BwdTile Get() {
-    return BwdTile{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+  // The key block of the CTA launched x-th in its (KV head, batch) row.
+  __host__ __device__ static int KeyBlock(const ProblemArgs& args, int x, bool reversed) {
+    return reversed ? args.num_n_blocks - 1 - x : x;
+  }
+
+  __device__ static BwdTile Get(const ProblemArgs& args, bool reversed) {
+    return BwdTile{KeyBlock(args, static_cast<int>(blockIdx.x), reversed), static_cast<int>(blockIdx.y),
+                   static_cast<int>(blockIdx.z)};
   }
 };
 

@@ -66,6 +66,7 @@ def dot_product_attention(
     context_parallel: Optional[Literal["all_gather", "ring"]] = None,
     context_parallel_axis: Optional[str] = None,
     load_balanced: bool = False,
+    deterministic_backward: bool = False,
 ) -> Union[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
     """Scaled dot-product attention that can also return the per-head max logit and the LSE.
 
@@ -158,11 +159,11 @@ def dot_product_attention(
         the call -- "cpu" on a CPU; on a GPU "cudnn", else "sm90" (on Hopper,
         e.g. for a soft cap) -- else "xla" with a one-time warning naming the
         reasons),
-        "cpu" (C++ kernels), "cudnn" (GPU), "sm90" (our Hopper forward kernel,
+        "cpu" (C++ kernels), "cudnn" (GPU), "sm90" (our Hopper kernels:
         in-kernel max_logit, soft cap, segment ids (without
-        max_segments_per_row) and sinks; cuDNN's backward, the reference's
-        with a soft cap; no bias, mask or dropout) or "xla" (pure JAX
-        reference). An explicitly requested backend that cannot run the call
+        max_segments_per_row) and sinks; our backward at head dims 64 and
+        128, cuDNN's at 256 (the reference's with a soft cap there); no
+        bias, mask or dropout) or "xla" (pure JAX reference). An explicitly requested backend that cannot run the call
         raises ValueError with the reason.
       return_max_logit: also return ``aux["max_logit"]``.
       return_lse: also return ``aux["lse"]``.
@@ -185,6 +186,14 @@ def dot_product_attention(
         permuted with ``maxattn.reorder_for_load_balancing(x, cp_size, axis=1)``
         (cp_size = size of the cp axis); the outputs (out, lse) are in that same
         permuted order (undo with ``inverse_reorder_for_load_balancing``).
+      deterministic_backward: the gradients (dq, dk, dv, dsink) come out
+        bit-identical on every run with the same inputs. "sm90" then adds each
+        query block's dQ tiles in a fixed order (CTAs wait for their turn:
+        slower, see the backend notes in the docs); "cudnn" uses cuDNN's
+        deterministic backward algorithm (a [B, N, T, S] workspace on Hopper).
+        "cpu" and "xla" are deterministic anyway. Without it, dk, dv and dsink
+        are bit-stable on every backend and dq on "sm90" and "cudnn" may differ
+        in its last bits between runs (float atomics).
 
     Returns:
       ``out`` [B, T, N, Hv] in the input dtype when no return flag is set;
@@ -229,7 +238,8 @@ def dot_product_attention(
         logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         softmax_type=softmax_type, sink_logits=sink_logits, return_max_logit=return_max_logit,
         return_lse=True if return_residual else return_lse, context_parallel=context_parallel,
-        context_parallel_axis=context_parallel_axis, load_balanced=load_balanced)
+        context_parallel_axis=context_parallel_axis, load_balanced=load_balanced,
+        deterministic_backward=deterministic_backward)
     backend = _choose_backend(implementation, call)
 
     if backend is None and cp is None:

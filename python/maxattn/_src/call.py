@@ -81,6 +81,8 @@ class Options:
     # many contiguous segments, the same ones in the same order for queries and
     # keys (segments.py); a backend may then run them as ragged sequences.
     max_segments: int = 0
+    # The backward sums every gradient in a fixed order (bit-identical runs).
+    deterministic: bool = False
 
     def replace(self, **changes: Any) -> "Options":
         return dataclasses.replace(self, **changes)
@@ -101,6 +103,7 @@ class Options:
             softcap=np.float32(self.softcap),
             dropout_rate=np.float32(self.dropout_rate),
             max_segments=np.int64(self.max_segments),
+            deterministic=bool(self.deterministic),
         )
 
 

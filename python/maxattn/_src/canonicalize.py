@@ -171,7 +171,7 @@ def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any =
                  dropout_rng: Any = None, softmax_type: Any = "vanilla",
                  sink_logits: Any = None, return_max_logit: Any = False, return_lse: Any = False,
                  context_parallel: Any = None, context_parallel_axis: Any = None,
-                 load_balanced: Any = False) -> "Canonical":
+                 load_balanced: Any = False, deterministic_backward: Any = False) -> "Canonical":
     """Validates the public arguments; returns the call record, the context parallelism
     (None when not requested; its support for this call is checked here too) and whether
     the inputs were unbatched ([T, N, H]: the record then has a batch of one)."""
@@ -265,7 +265,8 @@ def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any =
         mask=Mask(causal=causal, alignment=Alignment(causal_alignment), window_left=left, window_right=right),
         softcap=cap, dropout_rate=rate, softmax=SoftmaxType(softmax_type),
         lse=_check_bool(return_lse, "return_lse"), max_logit=_check_bool(return_max_logit, "return_max_logit"),
-        max_segments=max_segments)
+        max_segments=max_segments,
+        deterministic=_check_bool(deterministic_backward, "deterministic_backward"))
     call = Call(options, Operands(q, k, v, b, m, qlen, kvlen, qseg, kvseg, sink, seed))
     cp = cp_spec.make_spec(context_parallel, context_parallel_axis, load_balanced)
     if cp is not None:

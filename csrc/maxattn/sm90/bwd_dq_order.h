@@ -1,0 +1,101 @@
+// maxattn sm90: the backward's deterministic mode -- dQ tiles added in a fixed
+// order (BwdArgs::dq_turns set).
+//
+// dQ of one (batch, query head, query block) is the sum of one tile from each
+// CTA whose key block that query block sees, added into the fp32 accumulator by
+// atomics. Float addition does not associate, so by default the last bits of
+// dQ depend on the order in which the CTAs get there. In this mode the adds of
+// a query block follow one order: CTAs in launch order (blockIdx.x within the
+// (KV head, batch) row; the key blocks are launched last first, see
+// tile_scheduler.h), and within a CTA consumer warpgroup 0, then 1. Each
+// (b, head, query block) has a counter in global memory, zeroed on the stream;
+// a warpgroup waits until its counter equals its turn, adds its tile, fences,
+// and increments the counter (release).
+//
+// A warpgroup's turn for query block m is kConsumerWarpgroups * (the number of
+// CTAs launched before its CTA whose walk includes m) + its index. Walks are
+// QueryBlockRange's, so each CTA counts them from the same function: at its
+// start, the consumers evaluate it for every earlier key block of the row and
+// mark the part inside their own walk in a difference array in shared memory,
+// which a prefix sum turns into the count per query block. The turns are then
+// exactly the adds that will happen, in every mask case.
+//
+// A warpgroup only ever waits for CTAs launched before its own, and the
+// hardware dispatches a grid's blocks in order, so those are resident or done:
+// the waits cannot deadlock.
+#ifndef MAXATTN_SM90_BWD_DQ_ORDER_H_
+#define MAXATTN_SM90_BWD_DQ_ORDER_H_
+
+#include <cuda_runtime.h>
+
+#include "maxattn/sm90/barrier.h"
+#include "maxattn/sm90/bwd_config.h"
+#include "maxattn/sm90/mask.h"
+#include "maxattn/sm90/tile_scheduler.h"
+
+namespace maxattn::sm90 {
+
+template <class Config>
+class DqOrder {
+ public:
+  // Inactive: adds run at once.
+  __device__ DqOrder() = default;
+
+  // The turns of a CTA whose walk is [m_lo, m_hi) (non-empty), launched x-th in
+  // its row. Run by all consumer threads; table: m_hi - m_lo + 1 ints of shared memory.
+  __device__ static DqOrder Make(const BwdArgs& a, const BwdTile& tile, int x, int m_lo, int m_hi, int* table,
+                                 int consumer_tid) {
+    constexpr int kThreads = Config::kConsumerThreads;
+    const int len = m_hi - m_lo;
+    for (int i = consumer_tid; i <= len; i += kThreads) table[i] = 0;
+    NamedBarrierSync(kBwdBarrierDs, kThreads);
+    const BlockMask row = BlockMask::MakeRow(a, tile.batch);
+    for (int earlier = consumer_tid; earlier < x; earlier += kThreads) {
+      const int n_block = BwdStaticScheduler::KeyBlock(a, earlier, true);
+      int lo = 0, hi = 0;
+      row.template QueryBlockRange<Config::kBlockM, Config::kBlockN>(a, n_block * Config::kBlockN, &lo, &hi);
+      lo = max(lo, m_lo);
+      hi = min(hi, m_hi);
+      if (lo < hi) {
+        atomicAdd(&table[lo - m_lo], 1);
+        atomicAdd(&table[hi - m_lo], -1);
+      }
+    }
+    NamedBarrierSync(kBwdBarrierDs, kThreads);
+    if (consumer_tid == 0) {
+      int run = 0;
+      for (int i = 0; i < len; ++i) {
+        run += table[i];
+        table[i] = run;
+      }
+    }
+    NamedBarrierSync(kBwdBarrierDs, kThreads);
+    DqOrder order;
+    order.table_ = table;
+    order.m_lo_ = m_lo;
+    return order;
+  }
+
+  __device__ bool active() const { return table_ != nullptr; }
+
+  // Runs add() -- warpgroup wg's adds of its dQ tile of query block m -- in its
+  // turn on `counter` (the (b, head, m) counter). All 128 threads of the warpgroup call it.
+  template <class Add>
+  __device__ void InTurn(int* counter, int m, int wg, int wg_tid, const Add& add) const {
+    const int turn = table_[m - m_lo_] * Config::kConsumerWarpgroups + wg;
+    if (wg_tid == 0) WaitForCount(counter, turn);
+    NamedBarrierSync(kBwdBarrierDqTurn + wg, 128);
+    add();
+    __threadfence();  // this thread's adds are performed before the counter moves
+    NamedBarrierSync(kBwdBarrierDqTurn + wg, 128);
+    if (wg_tid == 0) ReleaseCount(counter);
+  }
+
+ private:
+  const int* table_ = nullptr;  // per query block of the walk: earlier CTAs that add to it
+  int m_lo_ = 0;
+};
+
+}  // namespace maxattn::sm90
+
+#endif  // MAXATTN_SM90_BWD_DQ_ORDER_H_
