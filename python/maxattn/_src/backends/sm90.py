@@ -10,7 +10,8 @@ epilogue. They live in the CUDA extension module next to the cuDNN targets
 The backward runs on the forward's residuals (out and the lse in the
 contract's natural-log [B, N, T] form). At head dims 64 and 128 it is ours
 (same features as the forward, the sinks' gradient included; dQ is summed
-by atomics, so it can differ in the last bits between runs); at head dim 256
+by atomics, so it can differ in the last bits between runs unless
+`deterministic_backward=True` makes the CTAs add in turn); at head dim 256
 it is cuDNN's, so such a call must suit both (the reason names whichever
 refuses), or the reference's with a soft cap, which cuDNN lacks (xla.py:
 exact, but it materialises the [B, N, T, S] logits). Our kernels are exact
