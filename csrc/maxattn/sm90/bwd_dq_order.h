@@ -39,7 +39,7 @@ template <class Config>
 class DqOrder {
  public:
   // Inactive: adds run at once.
-  __device__ DqOrder() = default;
+  DqOrder() = default;
 
   // The turns of a CTA whose walk is [m_lo, m_hi) (non-empty), launched x-th in
   // its row. Run by all consumer threads; table: m_hi - m_lo + 1 ints of shared memory.
