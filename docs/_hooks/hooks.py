@@ -6,6 +6,8 @@
   API from that copy, without importing maxattn or needing its compiled modules.
 * Lists docs/architecture.md in the navigation once that page exists (listing a missing page, or
   leaving an existing one out, fails the strict build).
+* Fills docs/versions.md's features marker with README.md's feature table (between its
+  ``features:start`` and ``features:end`` comments), so that the table has one owner.
 """
 
 import logging
@@ -51,3 +53,23 @@ def on_config(config):
         if page not in listed:
             config["nav"].insert(2, {"Architecture": page})
     return config
+
+
+_FEATURES_MARKER = "<!-- features: the table of README.md, inserted by docs/_hooks/hooks.py -->"
+
+
+def _readme_features(root):
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("<!-- features:start")
+    start = text.index("\n", start) + 1
+    return text[start:text.index("<!-- features:end -->")].rstrip("\n")
+
+
+def on_page_markdown(markdown, page, config, files):
+    if page.file.src_path != "versions.md":
+        return markdown
+    if _FEATURES_MARKER not in markdown:
+        raise ValueError(f"docs/versions.md lost its features marker: {_FEATURES_MARKER}")
+    root = os.path.dirname(config["config_file_path"])
+    return markdown.replace(_FEATURES_MARKER, _readme_features(root))
