@@ -16,11 +16,13 @@ flash_mha, when installed) on the same inputs, so its kernel time sits next to
 ours in one run; the gap between these sums and bench/gpu.py's wall clock is
 launch and dispatch cost. With --bwd the variants are instead the gradient of
 <out, ct> with respect to q, k and v (forward with lse, then backward):
-"fwd+bwd" on --impl, "cudnn fwd+bwd" on implementation="cudnn" and, with
---fa3, "fa3 fwd+bwd" (flash_mha differentiated).
+"fwd+bwd" on --impl, "cudnn fwd+bwd" on implementation="cudnn", with
+--deterministic also "det fwd+bwd" (--impl with deterministic_backward=True)
+and, with --fa3, "fa3 fwd+bwd" (flash_mha differentiated).
 
 Usage (on the GPU machine):
-    python bench/gpu_kernels.py [--impl cudnn|sm90] [--calls 5] [--shapes 0,1] [--fa3] [--bwd] [--json out.json]
+    python bench/gpu_kernels.py [--impl cudnn|sm90] [--calls 5] [--shapes 0,1] [--fa3] [--bwd [--deterministic]]
+                                [--json out.json]
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ def _child(variant: str, shape_index: int, calls: int, impl: str) -> None:
             attn = lambda q, k, v: flash_mha(q, k, v, softmax_scale=H ** -0.5, is_causal=causal)
         else:
             backend = "cudnn" if variant.startswith("cudnn") else impl
-            attn = lambda q, k, v: maxattn.dot_product_attention(q, k, v, is_causal=causal, implementation=backend)
+            det = variant.startswith("det")
+            attn = lambda q, k, v: maxattn.dot_product_attention(q, k, v, is_causal=causal, implementation=backend,
+                                                                 deterministic_backward=det)
         grad = jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * ct), argnums=(0, 1, 2))
         fn = jax.jit(grad)
     elif variant == "fa3":
@@ -136,11 +140,14 @@ def main() -> None:
     parser.add_argument("--fa3", action="store_true", help="also profile FA3's forward (flash-attn3-jax)")
     parser.add_argument("--bwd", action="store_true",
                         help="forward+backward variants: --impl, cudnn and (with --fa3) FA3")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="with --bwd: also --impl with deterministic_backward=True")
     parser.add_argument("--json")
     args = parser.parse_args()
     results = {}
     if args.bwd:
-        variants = ["fwd+bwd", "cudnn fwd+bwd"] + (["fa3 fwd+bwd"] if args.fa3 else [])
+        variants = (["fwd+bwd", "cudnn fwd+bwd"] + (["det fwd+bwd"] if args.deterministic else []) +
+                    (["fa3 fwd+bwd"] if args.fa3 else []))
     else:
         variants = list(VARIANTS) + (["fa3"] if args.fa3 else [])
     print(f"# impl {args.impl}; device time per call (ncu --clock-control none, {args.calls} calls)")
