@@ -157,7 +157,6 @@ constexpr int kBwdBarrierDs = 1;
 constexpr int kBwdBarrierDsWarpgroup = 2;
 constexpr int kBwdBarrierDqTurn = 4;
 
-
 // Run-time arguments of the backward instances.
 struct BwdArgs : ProblemArgs {
   float* dq_accum = nullptr;        // [B, N, t_pad, H] fp32, zeroed before the kernel

@@ -5,8 +5,6 @@
 
 #include <cuda_runtime.h>
 
-#include <string>
-
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
@@ -92,12 +90,8 @@ Status LaunchBackward(const BwdArgs& args, const void* q, const void* k, const v
                           typename Config::SmemLayoutV{}, TileKV{}, _1{});
   p.args = args;
 
-  const bool ordered = args.dq_turns != nullptr;
-  if (ordered && args.num_m_blocks > kBwdMaxOrderedQueryBlocks) {
-    return Status::Unimplemented("sm90 deterministic backward: at most " +
-                                 std::to_string(kBwdMaxOrderedQueryBlocks * kBwdBlockM) + " queries");
-  }
-  const int smem_bytes = Config::SmemBytes(ordered, args.num_m_blocks);
+  // The turn table fits: Sm90BackwardUnsupportedReason bounds num_m_blocks by kBwdMaxOrderedQueryBlocks.
+  const int smem_bytes = Config::SmemBytes(args.dq_turns != nullptr, args.num_m_blocks);
   auto kernel = &BwdKernel<Config>;
   MAXATTN_RETURN_IF_ERROR(CudaStatus(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),

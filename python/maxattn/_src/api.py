@@ -163,8 +163,9 @@ def dot_product_attention(
         in-kernel max_logit, soft cap, segment ids (without
         max_segments_per_row) and sinks; our backward at head dims 64 and
         128, cuDNN's at 256 (the reference's with a soft cap there); no
-        bias, mask or dropout) or "xla" (pure JAX reference). An explicitly requested backend that cannot run the call
-        raises ValueError with the reason.
+        bias, mask or dropout) or "xla" (pure JAX reference). An explicitly
+        requested backend that cannot run the call raises ValueError with the
+        reason.
       return_max_logit: also return ``aux["max_logit"]``.
       return_lse: also return ``aux["lse"]``.
       return_residual: jax.nn's spelling: return ``(out, residual)`` where the
