@@ -36,9 +36,9 @@ namespace maxattn::sm90 {
 constexpr int kBwdBlockM = 64;   // query rows per step
 constexpr int kBwdBlockN = 128;  // keys per CTA
 // The deterministic mode keeps one int per query block of a CTA's walk in shared
-// memory, past SharedStorage: at most this many query blocks (T <= 1,024,000),
-// which fits next to both instances' storage.
-constexpr int kBwdMaxOrderedQueryBlocks = 16000;
+// memory, past SharedStorage: at most this many query blocks (T <= 384,000),
+// which fits next to both instances' storage (the dQ staging slices included).
+constexpr int kBwdMaxOrderedQueryBlocks = 6000;
 
 // Whether the backward has kernels for this head dim.
 constexpr bool BwdSupportsHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128; }
@@ -114,6 +114,9 @@ struct BwdConfig {
   using SmemLayoutKtHalf = decltype(cute::composition(
       SmemLayoutKHalf{}, cute::make_ordered_layout(cute::Shape<HeadDim, HalfN>{}, cute::Step<cute::_2, cute::_1>{})));
 
+  // One consumer warpgroup's dQ fragment: 64 x 64 fp32 (at H = 128 its column
+  // half, at H = 64 its partial sum over its keys), staged for the bulk reduction.
+  static constexpr int kDqSliceFloats = kBlockM * 64;
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesRowStats = kBlockM * sizeof(float);  // lse or D of one query block
@@ -127,6 +130,7 @@ struct BwdConfig {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>> v;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>> ds;
+    alignas(128) float dq[kConsumerWarpgroups][kDqSliceFloats];  // bwd_epilogue.h: staged dQ fragments
     alignas(128) float lse_log2[kStages][kBlockM];  // with Q
     alignas(128) float dpsum[kStages][kBlockM];     // D - dlse, with dO
     alignas(16) typename Pipeline::SharedStorage pipe_q;
@@ -159,7 +163,9 @@ constexpr int kBwdBarrierDqTurn = 4;
 
 // Run-time arguments of the backward instances.
 struct BwdArgs : ProblemArgs {
-  float* dq_accum = nullptr;        // [B, N, t_pad, H] fp32, zeroed before the kernel
+  float* dq_accum = nullptr;        // [B, N, num_m_blocks, kBlockM * H] fp32 tiles in fragment order
+                                    // (bwd_epilogue.h), zeroed before the kernel
+  void* dq = nullptr;               // [B, T, N, H]: written by the post-pass
   const float* lse_log2 = nullptr;  // [B, N, t_pad]: lse * log2(e); +inf for rows with no probability
   const float* dpsum = nullptr;     // [B, N, t_pad]: rowsum(dO o O) - dlse (0 past T)
   void* dk = nullptr;               // [B, S, K, H]

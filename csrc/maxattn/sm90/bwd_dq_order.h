@@ -9,8 +9,9 @@
 // (KV head, batch) row; the key blocks are launched last first, see
 // tile_scheduler.h), and within a CTA consumer warpgroup 0, then 1. Each
 // (b, head, query block) has a counter in global memory, zeroed on the stream;
-// a warpgroup waits until its counter equals its turn, adds its tile, fences,
-// and increments the counter (release).
+// the thread that issues a warpgroup's dQ reduction waits until its counter
+// equals its turn, runs the reduction to completion, fences, and increments
+// the counter (release).
 //
 // A warpgroup's turn for query block m is kConsumerWarpgroups * (the number of
 // CTAs launched before its CTA whose walk includes m) + its index. Walks are
@@ -78,17 +79,18 @@ class DqOrder {
 
   __device__ bool active() const { return table_ != nullptr; }
 
-  // Runs add() -- warpgroup wg's adds of its dQ tile of query block m -- in its
-  // turn on `counter` (the (b, head, m) counter). All 128 threads of the warpgroup call it.
+  // Runs add() -- warpgroup wg's reduction of its dQ slice into query block m,
+  // issued and completed by the calling thread -- in its turn on `counter`
+  // (the (b, head, m) counter). One thread of the warpgroup calls it.
   template <class Add>
-  __device__ void InTurn(int* counter, int m, int wg, int wg_tid, const Add& add) const {
+  __device__ void InTurn(int* counter, int m, int wg, const Add& add) const {
     const int turn = table_[m - m_lo_] * Config::kConsumerWarpgroups + wg;
-    if (wg_tid == 0) WaitForCount(counter, turn);
-    NamedBarrierSync(kBwdBarrierDqTurn + wg, 128);
+    WaitForCount(counter, turn);
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the earlier adds, seen by the bulk unit
     add();
-    __threadfence();  // this thread's adds are performed before the counter moves
-    NamedBarrierSync(kBwdBarrierDqTurn + wg, 128);
-    if (wg_tid == 0) ReleaseCount(counter);
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // this reduction's writes before the release
+    __threadfence();
+    ReleaseCount(counter);
   }
 
  private:

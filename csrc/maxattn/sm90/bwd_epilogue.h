@@ -1,11 +1,19 @@
 // maxattn sm90: what the backward's consumers write to global memory.
 //
-// AddDq, every step: the step's dQ tile (fp32 accumulator, not yet scaled) is
-// added into dq_accum [B, N, t_pad, H] by vector reductions
-// (red.global.add.v2.f32: each thread's pairs of adjacent columns; rows up to
-// t_pad exist, so no bounds test). The post-pass (bwd_prepost.h) scales and
-// converts it. StoreDkDv, once per CTA: dV and scale * dK of the CTA's keys
-// (rows j < S), converted from the fp32 accumulators in registers.
+// dQ, every step (StageDq, then ReduceDq by one thread of the warpgroup): the
+// warpgroup's dQ fragment (fp32, not yet scaled) goes to its 16 KB slice of
+// shared memory, and one bulk reduction (cp.reduce.async.bulk .add.f32) adds
+// the slice into its tile of dq_accum -- whole 128-byte lines in L2 instead of
+// 8-byte vector atomics per thread (which kept L2 70% busy and the Q loads
+// late: bench/RESULTS.md, 2026-12-05). The slice is in "fragment order":
+// element i of thread t sits at (i / 4) * 512 + t * 4 + i % 4, so the float4
+// stores of a warp are contiguous (no bank conflicts); dq_accum's tiles keep
+// that order and the post-pass (BwdPostpassKernel) maps it back to (row,
+// column) with the same thread slice of the dQ GEMM. At H = 128 the two
+// warpgroups own column halves (tile = their two slices); at H = 64 both add a
+// partial sum of the whole 64 x 64 tile (both slices go to the same tile).
+// StoreDkDv, once per CTA: dV and scale * dK of the CTA's keys (rows j < S),
+// converted from the fp32 accumulators in registers.
 #ifndef MAXATTN_SM90_BWD_EPILOGUE_H_
 #define MAXATTN_SM90_BWD_EPILOGUE_H_
 
@@ -17,23 +25,45 @@
 
 namespace maxattn::sm90 {
 
+// One thread: dst[0, bytes/4) += src[0, bytes/4) (fp32) by the bulk-copy unit,
+// in the current bulk group (16-byte aligned, bytes a multiple of 16).
+__device__ __forceinline__ void BulkReduceAddF32(float* dst, const float* src, int bytes) {
+  const uint32_t smem = static_cast<uint32_t>(__cvta_generic_to_shared(src));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(smem),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void BulkCommit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// The issuing thread's bulk groups have finished reading shared memory.
+__device__ __forceinline__ void BulkWaitRead() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// ... and finished writing global memory.
+__device__ __forceinline__ void BulkWaitAll() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
 template <class Config>
 struct BwdEpilogue {
   using Element = typename Config::Element;
 
-  // dq: the dQ accumulator fragment of the step; coords: each element's (row,
-  // column) in the kBlockM x H tile.
-  template <class TensorDq, class TensorC>
-  __device__ static void AddDq(const BwdArgs& a, int batch, int head, int m_block, const TensorDq& dq,
-                               const TensorC& coords) {
+  static constexpr int kSliceFloats = Config::kDqSliceFloats;  // one warpgroup's fragment: 128 threads x 32
+
+  // Position of element i of warpgroup thread t in a slice (fragment order).
+  __host__ __device__ static constexpr int SliceIndex(int t, int i) { return (i / 4) * 512 + t * 4 + i % 4; }
+
+  // The warpgroup's dQ fragment into its slice (wg_tid: 0..127).
+  template <class TensorDq>
+  __device__ static void StageDq(float* slice, const TensorDq& dq, int wg_tid) {
     using namespace cute;
-    float* tile = a.dq_accum + ((static_cast<int64_t>(batch) * a.heads + head) * a.t_pad +
-                                static_cast<int64_t>(m_block) * Config::kBlockM) * Config::kHeadDim;
+    static_assert(decltype(size(dq))::value * 128 == kSliceFloats, "32 floats per thread");
     CUTE_UNROLL
-    for (int i = 0; i < size(dq); i += 2) {
-      const int row = get<0>(coords(i)), col = get<1>(coords(i));
-      atomicAdd(reinterpret_cast<float2*>(tile + row * Config::kHeadDim + col), make_float2(dq(i), dq(i + 1)));
+    for (int i = 0; i < size(dq); i += 4) {
+      *reinterpret_cast<float4*>(slice + SliceIndex(wg_tid, i)) = make_float4(dq(i), dq(i + 1), dq(i + 2), dq(i + 3));
     }
+  }
+
+  // The dq_accum slice of warpgroup wg in query block m_block of (batch, head).
+  __device__ static float* GmemSlice(const BwdArgs& a, int batch, int head, int m_block, int wg) {
+    constexpr int kTileFloats = Config::kBlockM * Config::kHeadDim;
+    const int64_t tile = (static_cast<int64_t>(batch) * a.heads + head) * a.num_m_blocks + m_block;
+    return a.dq_accum + tile * kTileFloats + (Config::kDqSplitKeys ? 0 : wg * kSliceFloats);
   }
 
   // dk, dv: the (key, head dim) accumulators; coords: each element's (key,

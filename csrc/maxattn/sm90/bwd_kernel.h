@@ -1,4 +1,4 @@
-// maxattn sm90: the warp-specialised backward kernel and its host launcher.
+// maxattn sm90: the warp-specialised backward kernel, its dQ post-pass and their host launcher.
 // Included only by the per-head-dim instantiation files (bwd_hdim*.cu).
 #ifndef MAXATTN_SM90_BWD_KERNEL_H_
 #define MAXATTN_SM90_BWD_KERNEL_H_
@@ -10,6 +10,7 @@
 
 #include "maxattn/attention.h"
 #include "maxattn/sm90/bwd_config.h"
+#include "maxattn/sm90/bwd_epilogue.h"
 #include "maxattn/sm90/bwd_mainloop_consumer.h"
 #include "maxattn/sm90/bwd_mainloop_producer.h"
 #include "maxattn/sm90/launch.h"
@@ -66,6 +67,43 @@ __global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_co
 #endif
 }
 
+// After the main kernel, grid (num_m_blocks, N, B), one warpgroup per dQ tile:
+// dq = scale * dq_accum, read in the fragment order the consumers staged it in
+// (bwd_epilogue.h) and mapped to (row, column) by the same thread slice of the
+// dQ GEMM; rows >= T are padding of the last tile.
+template <class Config>
+__global__ void __launch_bounds__(128) BwdPostpassKernel(const __grid_constant__ BwdArgs a) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Element = typename Config::Element;
+  using Epilogue = BwdEpilogue<Config>;
+  constexpr int kSlices = Config::kDqSplitKeys ? 1 : Config::kConsumerWarpgroups;
+  const int t = static_cast<int>(threadIdx.x);
+  const int m_block = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
+  const int batch = static_cast<int>(blockIdx.z);
+  typename Config::TiledMmadQ mma_dq;
+  cutlass::NumericArrayConverter<Element, float, 2> convert;
+  Element* dq = static_cast<Element*>(a.dq);
+  CUTE_UNROLL
+  for (int w = 0; w < kSlices; ++w) {
+    const float* slice = Epilogue::GmemSlice(a, batch, head, m_block, w);
+    auto thr = mma_dq.get_thread_slice(w * 128 + t);
+    Tensor coords = thr.partition_C(make_identity_tensor(Shape<typename Config::BlockM, typename Config::HeadDim>{}));
+    CUTE_UNROLL
+    for (int i = 0; i < size(coords); i += 2) {
+      const int row = m_block * Config::kBlockM + get<0>(coords(i)), col = get<1>(coords(i));
+      if (row >= a.q_len) continue;
+      const float2 x = *reinterpret_cast<const float2*>(slice + Epilogue::SliceIndex(t, i));
+      cutlass::Array<float, 2> pair;
+      pair[0] = x.x * a.scale;
+      pair[1] = x.y * a.scale;
+      const int64_t offset = ((static_cast<int64_t>(batch) * a.q_len + row) * a.heads + head) * Config::kHeadDim + col;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dq + offset) = convert(pair);
+    }
+  }
+#endif
+}
+
 template <int kHeadDim, class Element, bool kSoftcap>
 Status LaunchBackward(const BwdArgs& args, const void* q, const void* k, const void* v, const void* dout,
                       cudaStream_t stream) {
@@ -97,7 +135,11 @@ Status LaunchBackward(const BwdArgs& args, const void* q, const void* k, const v
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
       "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)"));
   kernel<<<BwdStaticScheduler::Grid(args), Config::kThreads, smem_bytes, stream>>>(p);
-  return CudaStatus(cudaGetLastError(), "backward kernel launch");
+  MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "backward kernel launch"));
+  const dim3 post_grid(static_cast<unsigned>(args.num_m_blocks), static_cast<unsigned>(args.heads),
+                       static_cast<unsigned>(args.batch));
+  BwdPostpassKernel<Config><<<post_grid, 128, 0, stream>>>(args);
+  return CudaStatus(cudaGetLastError(), "backward post-pass launch");
 }
 
 }  // namespace maxattn::sm90

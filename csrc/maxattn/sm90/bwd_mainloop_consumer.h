@@ -8,8 +8,9 @@
 //      transposed into dS's keys-contiguous layout, one of two buffers);
 //   4. issue dV += P^T dO; make dS visible to the tensor cores (proxy fence,
 //      named barrier); issue dQ = dS K and dK += dS^T Q;
-//   5. dV and dQ retired: release the dO stage, add dQ into dq_accum (in the
-//      deterministic mode, in this warpgroup's turn: bwd_dq_order.h);
+//   5. dV and dQ retired: release the dO stage, stage dQ in shared memory, one
+//      thread adds it into dq_accum by a bulk reduction (in the deterministic
+//      mode, in this warpgroup's turn: bwd_dq_order.h);
 //      dK retired: release the Q stage.
 // dK and dV stay in registers for the whole walk and are stored once
 // (bwd_epilogue.h).
@@ -52,6 +53,7 @@ struct BwdConsumer {
     constexpr int kBlockN = Config::kBlockN;
     constexpr bool kSplitKeys = Config::kDqSplitKeys;
     const int wg = consumer_tid / 128;
+    const int wg_tid = consumer_tid % 128;
 
     typename Config::TiledMmaSdP mma_sdp;
     typename Config::TiledMmadKV mma_dkv;
@@ -102,11 +104,10 @@ struct BwdConsumer {
     auto thr_copy_ds = copy_ds.get_thread_slice(consumer_tid);
     Tensor tdSsdS = thr_copy_ds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, M, N, buffer)
 
-    // Coordinates: (key, query) of the S^T elements, (query, column) of dQ's,
-    // (key, column) of dK's and dV's.
+    // Coordinates: (key, query) of the S^T elements, (key, column) of dK's and
+    // dV's (dQ's are the post-pass's).
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<BlockN, BlockM>{}));
     Tensor cS_rc = make_tensor(cS.data(), RowColLayout(cS.layout()));
-    Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<BlockM, HeadDim>{}));
     Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(Shape<BlockN, HeadDim>{}));
 
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<BlockN, HeadDim>{});
@@ -178,6 +179,9 @@ struct BwdConsumer {
           Tensor tdKrdS = make_tensor(rdS.data(), make_layout(partition_shape_A(mma_dkv, Shape<BlockN, BlockM>{})));
           IssueGemm<false, true>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), tdVrdV);
           cutlass::arch::fence_view_async_shared();
+          // The previous step's dQ reduction has read this warpgroup's slice
+          // before anyone passes the barrier (the slice is rewritten below).
+          if (wg_tid == 0) BulkWaitRead();
           if constexpr (kSplitKeys) NamedBarrierSync(kBwdBarrierDsWarpgroup + wg, 128);
           else NamedBarrierSync(kBwdBarrierDs, Config::kConsumerThreads);
           Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BlockM, HeadDim>{});
@@ -189,13 +193,26 @@ struct BwdConsumer {
           warpgroup_fence_operand(tdVrdV);
           warpgroup_fence_operand(tdQrdQ);
           pipe_do.consumer_release(state);
-          auto add_dq = [&] { BwdEpilogue<Config>::AddDq(a, tile.batch, head, m, tdQrdQ, cdQ); };
-          if (order.active()) {
-            int* counter = a.dq_turns + (static_cast<int64_t>(tile.batch) * a.heads + head) * a.num_m_blocks + m;
-            order.InTurn(counter, m, wg, consumer_tid % 128, add_dq);
-          } else {
-            add_dq();
+          float* slice = smem.dq[wg];
+          BwdEpilogue<Config>::StageDq(slice, tdQrdQ, wg_tid);
+          cutlass::arch::fence_view_async_shared();
+          NamedBarrierSync(kBwdBarrierDqTurn + wg, 128);
+          if (wg_tid == 0) {
+            float* dst = BwdEpilogue<Config>::GmemSlice(a, tile.batch, head, m, wg);
+            constexpr int kBytes = Config::kDqSliceFloats * static_cast<int>(sizeof(float));
+            if (order.active()) {
+              int* counter = a.dq_turns + (static_cast<int64_t>(tile.batch) * a.heads + head) * a.num_m_blocks + m;
+              order.InTurn(counter, m, wg, [&] {
+                BulkReduceAddF32(dst, slice, kBytes);
+                BulkCommit();
+                BulkWaitAll();
+              });
+            } else {
+              BulkReduceAddF32(dst, slice, kBytes);
+              BulkCommit();
+            }
           }
+          __syncwarp();  // warp 0 whole again before the next .aligned (wgmma) instruction
           warpgroup_wait<0>();
           warpgroup_fence_operand(tdKrdK);
           pipe_q.consumer_release(state);
@@ -204,6 +221,7 @@ struct BwdConsumer {
         }
       }
     }
+    if (wg_tid == 0) BulkWaitAll();  // the last reduction has read its slice before the CTA ends
     BwdEpilogue<Config>::StoreDkDv(a, tile, tdKrdK, tdVrdV, cdKV);
   }
 };

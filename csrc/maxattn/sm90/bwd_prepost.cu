@@ -1,4 +1,4 @@
-// maxattn sm90: the backward's pre-pass and post-pass (bwd_prepost.h).
+// maxattn sm90: the backward's pre-pass (bwd_prepost.h).
 #include "maxattn/sm90/bwd_prepost.h"
 
 #include <cuda_bf16.h>
@@ -23,13 +23,11 @@ struct PairTraits;
 template <>
 struct PairTraits<__nv_bfloat162> {
   __device__ static float2 ToFloat2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
-  __device__ static __nv_bfloat162 FromFloat2(float2 x) { return __float22bfloat162_rn(x); }
 };
 
 template <>
 struct PairTraits<__half2> {
   __device__ static float2 ToFloat2(__half2 x) { return __half22float2(x); }
-  __device__ static __half2 FromFloat2(float2 x) { return __float22half2_rn(x); }
 };
 
 // Grid (ceil(t_pad / 64), N, B); warp w of block x takes rows x*64 + w*8 ... + 7.
@@ -90,23 +88,6 @@ __global__ void __launch_bounds__(32) DsinkSumKernel(const float* partial, int b
   if (threadIdx.x == 0) dsink[row] = sum;
 }
 
-// Grid (ceil(T / 8), N, B); one warp per row (b, i, n).
-template <class Pair>
-__global__ void __launch_bounds__(kWarps * 32) BwdPostpassKernel(BwdPostpassArgs a) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int i = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x / 32);
-  const int n = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
-  if (i >= a.q_len) return;
-  const float2* src = reinterpret_cast<const float2*>(
-      a.dq_accum + ((static_cast<int64_t>(b) * a.heads + n) * a.t_pad + i) * a.head_dim);
-  Pair* dst = reinterpret_cast<Pair*>(static_cast<char*>(a.dq) +
-                                      ((static_cast<int64_t>(b) * a.q_len + i) * a.heads + n) * a.head_dim * 2);
-  for (int h = lane; h < a.head_dim / 2; h += 32) {
-    const float2 x = src[h];
-    dst[h] = PairTraits<Pair>::FromFloat2(make_float2(x.x * a.scale, x.y * a.scale));
-  }
-}
-
 }  // namespace
 
 int BwdPrepassBlocks(int t_pad) { return (t_pad + kRowsPerBlock - 1) / kRowsPerBlock; }
@@ -125,17 +106,6 @@ Status LaunchBwdPrepass(const BwdPrepassArgs& args, cudaStream_t stream) {
   DsinkSumKernel<<<dim3(static_cast<unsigned>(args.heads), static_cast<unsigned>(args.batch)), 32, 0, stream>>>(
       args.dsink_partial, blocks, args.dsink);
   return CudaStatus(cudaGetLastError(), "backward dsink sum launch");
-}
-
-Status LaunchBwdPostpass(const BwdPostpassArgs& args, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((args.q_len + kWarps - 1) / kWarps), static_cast<unsigned>(args.heads),
-                  static_cast<unsigned>(args.batch));
-  if (args.dtype == DType::kBFloat16) {
-    BwdPostpassKernel<__nv_bfloat162><<<grid, kWarps * 32, 0, stream>>>(args);
-  } else {
-    BwdPostpassKernel<__half2><<<grid, kWarps * 32, 0, stream>>>(args);
-  }
-  return CudaStatus(cudaGetLastError(), "backward post-pass launch");
 }
 
 }  // namespace maxattn::sm90

@@ -1,4 +1,4 @@
-// maxattn sm90: the backward's pre-pass and post-pass around the main kernel
+// maxattn sm90: the backward's pre-pass before the main kernel
 // (bwd_kernel.h).
 //
 // Pre-pass, per row (b, n, i) of [B, N, t_pad], one warp each:
@@ -9,8 +9,7 @@
 //              each pre-pass block writes its partial sum, and a second
 //              kernel adds a (b, n)'s partials in a fixed order (the same
 //              bits on every run, as the main kernel's dK and dV).
-// Post-pass: dq = scale * dq_accum, converted to the element type, [B, N, T, H]
-// fp32 -> [B, T, N, H].
+// (The dQ post-pass depends on the kernel instance's dQ layout: bwd_kernel.h.)
 #ifndef MAXATTN_SM90_BWD_PREPOST_H_
 #define MAXATTN_SM90_BWD_PREPOST_H_
 
@@ -42,15 +41,6 @@ int BwdPrepassBlocks(int t_pad);
 
 Status LaunchBwdPrepass(const BwdPrepassArgs& args, cudaStream_t stream);
 
-struct BwdPostpassArgs {
-  DType dtype = DType::kBFloat16;  // of dq
-  const float* dq_accum = nullptr;  // [B, N, t_pad, H]
-  void* dq = nullptr;               // [B, T, N, H]
-  float scale = 1.0f;
-  int batch = 0, q_len = 0, heads = 0, head_dim = 0, t_pad = 0;
-};
-
-Status LaunchBwdPostpass(const BwdPostpassArgs& args, cudaStream_t stream);
 
 }  // namespace maxattn::sm90
 

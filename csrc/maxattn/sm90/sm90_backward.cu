@@ -1,7 +1,7 @@
 // maxattn sm90: the backward's host side -- argument checks, the workspace,
 // the degenerate cases, and the four launches on the stream: pre-pass
 // (bwd_prepost.h), segment summaries, the main kernel dispatched over its
-// instances (head dim x dtype x soft cap), post-pass.
+// instances (head dim x dtype x soft cap) and its dQ post-pass (bwd_kernel.h).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -92,6 +92,7 @@ Status BackwardImpl(const AttentionShape& shape, const AttentionOptions& options
   static_cast<sm90::ProblemArgs&>(args) =
       sm90::MakeProblemArgs(shape, options, inputs, sm90::kBwdBlockM, sm90::kBwdBlockN);
   args.t_pad = args.num_m_blocks * sm90::kBwdBlockM;
+  args.dq = grads.dq;
   args.dk = grads.dk;
   args.dv = grads.dv;
 
@@ -155,20 +156,8 @@ Status BackwardImpl(const AttentionShape& shape, const AttentionOptions& options
         CudaStatus(cudaMemsetAsync(args.dq_turns, 0, turns_bytes, stream), "cudaMemsetAsync(dq turn counters)"));
   }
   if (segments) MAXATTN_RETURN_IF_ERROR(sm90::PrepareSegments(inputs, true, segment_summaries, stream, &args));
-  MAXATTN_RETURN_IF_ERROR(options.softcap > 0.0f ? DispatchBackward<true>(shape, args, inputs, saved, stream)
-                                                 : DispatchBackward<false>(shape, args, inputs, saved, stream));
-
-  sm90::BwdPostpassArgs post;
-  post.dtype = inputs.dtype;
-  post.dq_accum = args.dq_accum;
-  post.dq = grads.dq;
-  post.scale = options.scale;
-  post.batch = static_cast<int>(B);
-  post.q_len = static_cast<int>(T);
-  post.heads = static_cast<int>(N);
-  post.head_dim = static_cast<int>(H);
-  post.t_pad = args.t_pad;
-  return sm90::LaunchBwdPostpass(post, stream);
+  return options.softcap > 0.0f ? DispatchBackward<true>(shape, args, inputs, saved, stream)
+                                : DispatchBackward<false>(shape, args, inputs, saved, stream);
 }
 
 }  // namespace
