@@ -17,8 +17,8 @@
 //   dV  += P^T dO,  dK += dS^T Q   (WGMMA with A from registers)
 //   dQ   = dS K                    (dS^T stored to shared memory transposed by
 //                                  stmatrix; both operands in shared memory)
-// dQ is summed over the CTAs of a query block in an fp32 buffer by vector
-// atomics (red.global.add.v2.f32) and converted by a post-pass.
+// dQ is summed over the CTAs of a query block in an fp32 buffer by bulk
+// reductions from shared memory (bwd_epilogue.h) and converted by a post-pass.
 #ifndef MAXATTN_SM90_BWD_CONFIG_H_
 #define MAXATTN_SM90_BWD_CONFIG_H_
 
@@ -63,6 +63,8 @@ struct BwdConfig {
   // dS); at H = 64 a 32-column half would not be a whole swizzle atom, so each
   // warpgroup multiplies its own 64 keys and both add their partial dQ.
   static constexpr bool kDqSplitKeys = kHeadDim == 64;
+  // dq_accum slices per query block (bwd_epilogue.h): one per warpgroup at H = 128, one shared at H = 64.
+  static constexpr int kDqSlices = kDqSplitKeys ? 1 : kConsumerWarpgroups;
 
   using BlockM = cute::Int<kBlockM>;
   using BlockN = cute::Int<kBlockN>;

@@ -50,8 +50,9 @@ std::optional<std::string> Sm90BackwardUnsupportedReason(const AttentionShape& s
 // is the forward's lse [B, N, T] (natural log; sinks included), saved.dlse its
 // cotangent or null. ctx.allocate is called once, for one block: an fp32 dQ
 // accumulator [B, N, ceil(T / 64) * 64, H], two fp32 row statistics of the
-// same rows, and with segment ids their summaries. dQ is summed by atomics, so
-// it may differ in the last bits from run to run; dK and dV are not.
+// same rows, and with segment ids their summaries. dQ tiles are added in arrival
+// order (unless options.deterministic), so dQ may differ in the last bits from
+// run to run; dK and dV are not.
 // Thread-safe; never throws.
 Status AttentionBackwardSm90(const AttentionShape& shape, const AttentionOptions& options,
                              const AttentionInputs& inputs, const BackwardInputs& saved,
