@@ -98,7 +98,9 @@ def _origin(name: str) -> str:
     kernels) or "xla"."""
     if "FwdKernel" in name or "BwdKernel" in name:
         return "attention"
-    if "maxattn" in name or "Finalize" in name or "ScaleRows" in name or "SinkRow" in name:
+    # ncu names a kernel with or without its namespaces, so our helpers are matched by name too.
+    helpers = ("Finalize", "ScaleRows", "SinkRow", "BwdPrepass", "BwdPostpass", "DsinkSum")
+    if "maxattn" in name or any(h in name for h in helpers):
         return "maxattn"
     if name.startswith(("cudnn", "sm90", "sm80", "cutlass")) or "cudnn" in name or "flash" in name.lower():
         return "attention"

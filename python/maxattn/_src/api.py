@@ -190,11 +190,11 @@ def dot_product_attention(
       deterministic_backward: the gradients (dq, dk, dv, dsink) come out
         bit-identical on every run with the same inputs. "sm90" then adds each
         query block's dQ tiles in a fixed order (CTAs wait for their turn: the
-        backward took 1.34-1.63x its time on an H100); "cudnn" uses cuDNN's
+        backward took 1.4-1.9x its time on an H100); "cudnn" uses cuDNN's
         deterministic backward algorithm (a [B, N, T, S] workspace on Hopper).
         "cpu" and "xla" are deterministic anyway. Without it, dk, dv and dsink
         are bit-stable on every backend and dq on "sm90" and "cudnn" may differ
-        in its last bits between runs (float atomics).
+        in its last bits between runs (float additions in arrival order).
 
     Returns:
       ``out`` [B, T, N, Hv] in the input dtype when no return flag is set;
