@@ -99,7 +99,7 @@ def _origin(name: str) -> str:
     if "FwdKernel" in name or "BwdKernel" in name:
         return "attention"
     # ncu names a kernel with or without its namespaces, so our helpers are matched by name too.
-    helpers = ("Finalize", "ScaleRows", "SinkRow", "BwdPrepass", "BwdPostpass", "DsinkSum")
+    helpers = ("Finalize", "ScaleRows", "SinkRow", "BwdPrepass", "BwdPostpass", "RowSum")
     if "maxattn" in name or any(h in name for h in helpers):
         return "maxattn"
     if name.startswith(("cudnn", "sm90", "sm80", "cutlass")) or "cudnn" in name or "flash" in name.lower():

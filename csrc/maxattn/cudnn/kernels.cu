@@ -2,6 +2,7 @@
 
 #include "maxattn/cudnn/ragged.h"
 #include "maxattn/float_max.cuh"
+#include "maxattn/row_sum.cuh"
 
 #include <cmath>
 #include <cstdint>
@@ -217,15 +218,6 @@ __global__ void SinkRowTermsKernel(const uint4* out, const uint4* dout, bool is_
   }
 }
 
-// dsink[b, n] = sum over t of terms[b, n, t]; one block per (b, n), fixed order.
-__global__ void SumRowsKernel(const float* terms, float* dsink, int32_t q_len) {
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * q_len;
-  float acc = 0.0f;
-  for (int64_t t = threadIdx.x; t < q_len; t += blockDim.x) acc += terms[base + t];
-  acc = BlockReduce(acc, [](float x, float y) { return x + y; }, 0.0f);
-  if (threadIdx.x == 0) dsink[blockIdx.x] = acc;
-}
-
 __device__ __forceinline__ uint64_t SplitMix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -337,7 +329,8 @@ cudaError_t LaunchSinkGradient(const void* out, const void* dout, bool is_fp16, 
       heads, head_dim_v / kVector);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  SumRowsKernel<<<batch * heads, kThreads, 0, stream>>>(terms, dsink, q_len);
+  // dsink[b, n] = sum over t of terms[b, n, t], in a fixed order.
+  RowSumKernel<kThreads><<<batch * heads, kThreads, 0, stream>>>(terms, q_len, dsink);
   return cudaGetLastError();
 }
 

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <string>
 
+#include "maxattn/row_sum.cuh"
 #include "maxattn/sm90/problem.h"
 
 namespace maxattn::sm90 {
@@ -78,16 +79,6 @@ __global__ void __launch_bounds__(kWarps * 32) BwdPrepassKernel(BwdPrepassArgs a
   }
 }
 
-// Grid (N, B), one warp: dsink[b, n] = the sum of the pre-pass blocks' partials,
-// lane by lane in block order, then a fixed shuffle tree.
-__global__ void __launch_bounds__(32) DsinkSumKernel(const float* partial, int blocks, float* dsink) {
-  const int64_t row = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
-  float sum = 0.0f;
-  for (int i = static_cast<int>(threadIdx.x); i < blocks; i += 32) sum += partial[row * blocks + i];
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (threadIdx.x == 0) dsink[row] = sum;
-}
-
 }  // namespace
 
 int BwdPrepassBlocks(int t_pad) { return (t_pad + kRowsPerBlock - 1) / kRowsPerBlock; }
@@ -103,7 +94,8 @@ Status LaunchBwdPrepass(const BwdPrepassArgs& args, cudaStream_t stream) {
   }
   MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "backward pre-pass launch"));
   if (args.dsink == nullptr) return Status::Ok();
-  DsinkSumKernel<<<dim3(static_cast<unsigned>(args.heads), static_cast<unsigned>(args.batch)), 32, 0, stream>>>(
+  // dsink[b, n] = the sum of the pre-pass blocks' partials, in a fixed order; grid (N, B), one warp each.
+  RowSumKernel<32><<<dim3(static_cast<unsigned>(args.heads), static_cast<unsigned>(args.batch)), 32, 0, stream>>>(
       args.dsink_partial, blocks, args.dsink);
   return CudaStatus(cudaGetLastError(), "backward dsink sum launch");
 }
