@@ -138,10 +138,14 @@ struct DeviceBuffer {
 };
 
 // The workspace the library asks for (DeviceContext::allocate): one block, reused by later
-// calls on the same stream (they run in order) and grown when a call asks for more.
+// calls on the same stream (they run in order) and grown when a call asks for more. With
+// poison, every hand-out is first filled with 0xff bytes (NaN as fp32, -1 as int), so a kernel
+// that reads workspace it did not initialise (a dQ accumulator not zeroed, a counter not reset)
+// fails the numerics instead of passing on leftovers; the timed runs leave it off.
 struct ScratchArena {
   void* block = nullptr;
   size_t size = 0;
+  bool poison = false;
   ScratchArena() = default;
   ScratchArena(const ScratchArena&) = delete;
   ScratchArena& operator=(const ScratchArena&) = delete;
@@ -164,6 +168,8 @@ struct ScratchArena {
         if (cudaMalloc(&block, bytes) != cudaSuccess) return nullptr;
         size = bytes;
       }
+      // The legacy default stream orders this before the library's work on a blocking stream.
+      if (poison && bytes > 0 && cudaMemset(block, 0xff, bytes) != cudaSuccess) return nullptr;
       return block;
     };
     return ctx;

@@ -195,6 +195,7 @@ bool RunCase(const BwdCase& bc, uint64_t seed) {
   Upload(d_dout, dout_bits);
   Upload(d_dlse, dlse);
   ScratchArena scratch;
+  scratch.poison = true;
   ForwardOutputs fo;
   fo.out = out.ptr;
   fo.lse = lse.ptr;

@@ -131,6 +131,7 @@ bool RunCase(const Case& c, uint64_t seed) {
     return false;
   }
   ScratchArena scratch;  // reused by the three runs (same sizes)
+  scratch.poison = true;
   auto run = [&](void* out, float* lse, float* mx) {
     CUDA_OK(cudaMemset(out, 0x7f, dout.bytes()));
     if (lse) CUDA_OK(cudaMemset(lse, 0x7f, dlse.bytes()));
