@@ -28,12 +28,10 @@ Usage (on the GPU machine):
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
-import os
-import subprocess
 import sys
+
+import ncu_time
 
 VARIANTS = {  # name: (return_lse, return_max_logit)
     "fwd": (False, False),
@@ -47,7 +45,6 @@ SHAPES = [(4, 2048, 32, 32, 128, True), (8, 2048, 16, 16, 64, True), (2, 8192, 1
 
 
 def _child(variant: str, shape_index: int, calls: int, impl: str) -> None:
-    import cupy
     import jax
     import jax.numpy as jnp
 
@@ -87,10 +84,9 @@ def _child(variant: str, shape_index: int, calls: int, impl: str) -> None:
 
     for _ in range(3):
         jax.block_until_ready(fn(q, k, v))
-    cupy.cuda.runtime.profilerStart()
-    for _ in range(calls):
-        jax.block_until_ready(fn(q, k, v))
-    cupy.cuda.runtime.profilerStop()
+    with ncu_time.profiled():
+        for _ in range(calls):
+            jax.block_until_ready(fn(q, k, v))
 
 
 def _origin(name: str) -> str:
@@ -108,18 +104,10 @@ def _origin(name: str) -> str:
 
 
 def _profile(variant: str, shape_index: int, calls: int, impl: str) -> dict:
-    cmd = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
-           "--csv", "--print-units", "base", sys.executable, __file__, "--child", variant, str(shape_index),
-           str(calls), impl]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
-    rows = [line for line in res.stdout.splitlines() if line.startswith('"')]
-    kernels = []
-    for rec in csv.DictReader(io.StringIO("\n".join(rows))):
-        if rec.get("Metric Name") == "gpu__time_duration.sum":
-            kernels.append((rec["Kernel Name"], float(rec["Metric Value"].replace(",", ""))))
-    if not kernels:
-        return {"error": (res.stderr or res.stdout)[-2000:]}
+    kernels = ncu_time.kernel_times([sys.executable, __file__, "--child", variant, str(shape_index), str(calls), impl],
+                                    timeout=300)
+    if isinstance(kernels, str):
+        return {"error": kernels}
     by_origin: dict[str, float] = {}
     names: dict[str, float] = {}
     for name, ns in kernels:

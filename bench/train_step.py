@@ -15,7 +15,11 @@ Timing as in bench/gpu.py: a sample is `--calls` back-to-back steps then one blo
 variants interleaved, the order alternating; medians over `--reps`, plus the paired ratio
 (median of per-repetition ratios) of step+clip against step.
 
-Usage (on the GPU machine): python bench/train_step.py [--impls sm90,cudnn] [--fa3] [--json out.json]
+With --ncu each variant instead runs in its own process under Nsight Compute (bench/ncu_time.py) and
+the table reports the device time of all kernels of a step (launch gaps and memsets excluded): stable
+to a fraction of a percent, so it can show a max_logit + QK-Clip cost near 1% that wall clock cannot.
+
+Usage (on the GPU machine): python bench/train_step.py [--impls sm90,cudnn] [--fa3] [--ncu] [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -30,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import maxattn
+import ncu_time
 from maxattn.qk_clip import clip_factors
 
 
@@ -114,7 +120,31 @@ def _fa3_available():
         return False
 
 
+def _variants(opts) -> dict:
+    variants = {}
+    for impl in opts.impls.split(","):
+        variants[f"{impl} step"] = make_step(attention_for(impl, False), False)
+        variants[f"{impl} step+clip"] = make_step(attention_for(impl, True), True)
+    if opts.fa3 and _fa3_available():
+        variants["fa3 step"] = make_step(attention_for("fa3", False), False)
+    return variants
+
+
+def _device_times(opts, argv, names) -> tuple[dict, dict]:
+    """Device seconds per step of each variant, each in its own process under ncu; and the errors."""
+    ms, errors = {}, {}
+    child = [a for a in argv if a != "--ncu"]
+    for name in names:
+        kernels = ncu_time.kernel_times([sys.executable, __file__, *child, "--child", name])
+        if isinstance(kernels, str):
+            errors[name] = kernels.strip().splitlines()[-1] if kernels.strip() else "no kernels profiled"
+        else:
+            ms[name] = sum(ns for _, ns in kernels) / opts.calls / 1e9  # seconds, as the wall-clock samples
+    return ms, errors
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--impls", default="sm90,cudnn")
     p.add_argument("--fa3", action="store_true")
@@ -123,6 +153,8 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--ncu", action="store_true", help="device time per step from Nsight Compute")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # --ncu's child: run this variant's profiled steps
     p.add_argument("--json")
     opts = p.parse_args(argv)
     B, T, N, K, H = (int(x) for x in opts.shape.split(","))
@@ -130,38 +162,50 @@ def main(argv=None):
     params = init_params(jax.random.key(0), opts.layers, d, N, K, H)
     x = jax.random.normal(jax.random.key(1), (B, T, d), jnp.bfloat16)
 
-    variants = {}
-    for impl in opts.impls.split(","):
-        variants[f"{impl} step"] = make_step(attention_for(impl, False), False)
-        variants[f"{impl} step+clip"] = make_step(attention_for(impl, True), True)
-    if opts.fa3 and _fa3_available():
-        variants["fa3 step"] = make_step(attention_for("fa3", False), False)
-    errors = {}
-    for name, fn in list(variants.items()):
-        try:
+    variants = _variants(opts)
+    if opts.child:
+        fn = variants[opts.child]
+        for _ in range(opts.warmup + 1):
             jax.block_until_ready(fn(params, x))
-        except Exception as e:  # a refusal (no Hopper GPU, ...)
-            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            del variants[name]
-    samples = {n: [] for n in variants}
-    names = list(variants)
-    for r in range(opts.warmup + opts.reps):
-        order = names if r % 2 == 0 else names[::-1]
-        for name in order:
-            fn = variants[name]
-            t0 = time.perf_counter()
+        with ncu_time.profiled():
             out = None
             for _ in range(opts.calls):
                 out = fn(params, x)
             jax.block_until_ready(out)
-            if r >= opts.warmup:
-                samples[name].append((time.perf_counter() - t0) / opts.calls)
-    med = {n: statistics.median(s) for n, s in samples.items()}
+        return
+    errors = {}
+    if opts.ncu:  # the children compile and run the variants (a refusal is their error)
+        med, errors = _device_times(opts, argv, list(variants))
+        samples = {n: [m] for n, m in med.items()}
+        how = f"device time of all kernels of a step (ncu), {opts.calls} steps"
+    else:
+        for name, fn in list(variants.items()):
+            try:
+                jax.block_until_ready(fn(params, x))
+            except Exception as e:  # a refusal (no Hopper GPU, ...)
+                errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                del variants[name]
+        names = list(variants)
+        samples = {n: [] for n in names}
+        for r in range(opts.warmup + opts.reps):
+            order = names if r % 2 == 0 else names[::-1]
+            for name in order:
+                fn = variants[name]
+                t0 = time.perf_counter()
+                out = None
+                for _ in range(opts.calls):
+                    out = fn(params, x)
+                jax.block_until_ready(out)
+                if r >= opts.warmup:
+                    samples[name].append((time.perf_counter() - t0) / opts.calls)
+        med = {n: statistics.median(s) for n, s in samples.items()}
+        how = f"median of {opts.reps} samples of {opts.calls} steps"
     print(f"# {opts.layers} layers, B,T,N,K,H = {B},{T},{N},{K},{H}, causal, bf16; {jax.devices()[0].device_kind}; "
-          f"median of {opts.reps} samples of {opts.calls} steps")
+          f"{how}")
     print("| variant | ms/step | spread % | vs plain step of the backend (paired) |")
     print("|---|---|---|---|")
-    result = {"shape": [B, T, N, K, H], "layers": opts.layers, "ms": {}, "errors": errors}
+    result = {"shape": [B, T, N, K, H], "layers": opts.layers, "timing": "ncu" if opts.ncu else "wall clock",
+              "ms": {}, "errors": errors}
     for name, s in samples.items():
         spread = (max(s) - min(s)) / med[name] * 100
         base = name.replace("step+clip", "step")

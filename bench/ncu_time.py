@@ -1,0 +1,52 @@
+"""Device time of a child process's profiled range, from Nsight Compute (shared by the benchmarks).
+
+Wall-clock samples on the shared GPU machines spread by 5-50%; the device time of the kernels is
+stable to a fraction of a percent. `kernel_times` runs a command under
+
+    ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum
+
+and returns each kernel launched inside the child's `profiled()` range with its device time. ncu
+serialises the kernels, so their sum excludes launch gaps; memsets and copies are not kernels and
+are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import os
+import subprocess
+
+
+def kernel_times(argv: list[str], timeout: float = 600) -> list[tuple[str, float]] | str:
+    """[(kernel name, ns)] of every kernel in the profiled range of `argv`, or the error text."""
+    cmd = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
+           "--csv", "--print-units", "base", *argv]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                             env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}"
+    kernels = parse_csv(res.stdout)
+    return kernels if kernels else (res.stderr or res.stdout)[-2000:]
+
+
+def parse_csv(text: str) -> list[tuple[str, float]]:
+    """The (kernel name, gpu__time_duration.sum in ns) records of ncu's --csv output."""
+    rows = [line for line in text.splitlines() if line.startswith('"')]
+    return [(rec["Kernel Name"], float(rec["Metric Value"].replace(",", "")))
+            for rec in csv.DictReader(io.StringIO("\n".join(rows)))
+            if rec.get("Metric Name") == "gpu__time_duration.sum"]
+
+
+@contextlib.contextmanager
+def profiled():
+    """The range ncu profiles (cudaProfilerStart/Stop through CuPy); the caller synchronises inside it."""
+    import cupy
+
+    cupy.cuda.runtime.profilerStart()
+    try:
+        yield
+    finally:
+        cupy.cuda.runtime.profilerStop()
