@@ -1,8 +1,8 @@
 #include "maxattn/cudnn/kernels.h"
 
+#include "maxattn/block_reduce.cuh"
 #include "maxattn/cudnn/ragged.h"
 #include "maxattn/float_max.cuh"
-#include "maxattn/row_sum.cuh"
 
 #include <cmath>
 #include <cstdint>
@@ -32,24 +32,6 @@ __device__ __forceinline__ bool RowVisible(const RowGeometry& g, int32_t b, int6
 __device__ __forceinline__ float LogAddExp(float a, float b) {
   const float hi = a > b ? a : b, lo = a > b ? b : a;
   return hi + log1pf(expf(lo - hi));
-}
-
-// Block-wide reduction of one float per thread (blockDim.x a multiple of 32);
-// the result is valid in thread 0. Two shuffle rounds: within each warp, then
-// across the warps' partials in warp 0 (lanes past the last warp hold
-// `identity`).
-template <typename Op>
-__device__ float BlockReduce(float value, Op op, float identity) {
-  for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_down_sync(0xffffffffu, value, offset));
-  __shared__ float partial[32];  // one per warp, up to 1024 threads
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  if (lane == 0) partial[warp] = value;
-  __syncthreads();
-  if (warp == 0) {
-    value = lane < warps ? partial[lane] : identity;
-    for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_down_sync(0xffffffffu, value, offset));
-  }
-  return value;
 }
 
 // Each thread of the finalize kernel handles kRowsPerThread consecutive rows

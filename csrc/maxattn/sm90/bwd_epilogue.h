@@ -1,8 +1,9 @@
 // maxattn sm90: what the backward's consumers write to global memory.
 //
-// dQ, every step (StageDq, then ReduceDq by one thread of the warpgroup): the
-// warpgroup's dQ fragment (fp32, not yet scaled) goes to its 16 KB slice of
-// shared memory, and one bulk reduction (cp.reduce.async.bulk .add.f32) adds
+// dQ, every step (StageDq here, then a bulk reduction issued by one thread of
+// the warpgroup: bwd_mainloop_consumer.h): the warpgroup's dQ fragment (fp32,
+// not yet scaled) goes to its 16 KB slice of shared memory, and one bulk
+// reduction (cp.reduce.async.bulk .add.f32) adds
 // the slice into its tile of dq_accum -- whole 128-byte lines in L2 instead of
 // 8-byte vector atomics per thread (which kept L2 70% busy and the Q loads
 // late: bench/RESULTS.md, 2026-12-05). The slice is in "fragment order":

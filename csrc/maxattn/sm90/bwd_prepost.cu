@@ -7,7 +7,7 @@
 #include <cmath>
 #include <string>
 
-#include "maxattn/row_sum.cuh"
+#include "maxattn/block_reduce.cuh"
 #include "maxattn/sm90/problem.h"
 
 namespace maxattn::sm90 {

@@ -41,7 +41,6 @@ int BwdPrepassBlocks(int t_pad);
 
 Status LaunchBwdPrepass(const BwdPrepassArgs& args, cudaStream_t stream);
 
-
 }  // namespace maxattn::sm90
 
 #endif  // MAXATTN_SM90_BWD_PREPOST_H_
