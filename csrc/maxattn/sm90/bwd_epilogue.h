@@ -14,13 +14,15 @@
 // warpgroups own column halves (tile = their two slices); at H = 64 both add a
 // partial sum of the whole 64 x 64 tile (both slices go to the same tile).
 // StoreDkDv, once per CTA: dV and scale * dK of the CTA's keys (rows j < S),
-// converted from the fp32 accumulators in registers.
+// converted from the fp32 accumulators in registers and staged in shared
+// memory, then stored in 16-byte pieces of whole rows.
 #ifndef MAXATTN_SM90_BWD_EPILOGUE_H_
 #define MAXATTN_SM90_BWD_EPILOGUE_H_
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include "maxattn/sm90/barrier.h"
 #include "maxattn/sm90/bwd_config.h"
 #include "maxattn/sm90/tile_scheduler.h"
 
@@ -67,29 +69,52 @@ struct BwdEpilogue {
     return a.dq_accum + tile * kTileFloats + (Config::kDqSplitKeys ? 0 : wg * kSliceFloats);
   }
 
+  // Offset of (row, col) in a kBlockN x H staging tile of dK or dV: rows of H
+  // elements whose 16-byte chunks are swizzled (chunk c of row r at c ^ (r % 8)),
+  // so a warp's fragment stores (8 rows, 4 lanes each) and its 16-byte row
+  // reads (8 lanes per 128 bytes) both hit 32 distinct banks.
+  __device__ static int StagingOffset(int row, int col) {
+    return row * Config::kHeadDim + (((col / 8) ^ (row % 8)) * 8) + col % 8;
+  }
+
   // dk, dv: the (key, head dim) accumulators; coords: each element's (key,
-  // column) in the kBlockN x H tile.
+  // column) in the kBlockN x H tile. Stages dV and scale * dK in shared memory
+  // (stage_k, stage_v: kBlockN * H elements each, free for the consumers: the
+  // caller synchronised them), then all consumer threads store whole 16-byte
+  // pieces of the rows j < S (per-thread 4-byte stores from the fragments used
+  // half of each 32-byte sector: ncu on the H100, 2026-12-05).
   template <class TensorAcc, class TensorC>
   __device__ static void StoreDkDv(const BwdArgs& a, const BwdTile& tile, const TensorAcc& dk, const TensorAcc& dv,
-                                   const TensorC& coords) {
+                                   const TensorC& coords, Element* stage_k, Element* stage_v, int consumer_tid) {
     using namespace cute;
+    constexpr int kChunks = Config::kHeadDim / 8;  // 16-byte pieces per row
     cutlass::NumericArrayConverter<Element, float, 2> convert;
-    Element* dk_out = static_cast<Element*>(a.dk);
-    Element* dv_out = static_cast<Element*>(a.dv);
-    const int n0 = tile.n_block * Config::kBlockN;
     CUTE_UNROLL
     for (int i = 0; i < size(dk); i += 2) {
-      const int j = n0 + get<0>(coords(i)), col = get<1>(coords(i));
-      if (j >= a.kv_len) continue;
-      const int64_t offset =
-          ((static_cast<int64_t>(tile.batch) * a.kv_len + j) * a.kv_heads + tile.kv_head) * Config::kHeadDim + col;
+      const int offset = StagingOffset(get<0>(coords(i)), get<1>(coords(i)));
       cutlass::Array<float, 2> pair;
       pair[0] = dv(i);
       pair[1] = dv(i + 1);
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dv_out + offset) = convert(pair);
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(stage_v + offset) = convert(pair);
       pair[0] = dk(i) * a.scale;
       pair[1] = dk(i + 1) * a.scale;
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dk_out + offset) = convert(pair);
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(stage_k + offset) = convert(pair);
+    }
+    NamedBarrierSync(kBwdBarrierDs, Config::kConsumerThreads);
+    Element* dk_out = static_cast<Element*>(a.dk);
+    Element* dv_out = static_cast<Element*>(a.dv);
+    const int n0 = tile.n_block * Config::kBlockN;
+    constexpr int kPieces = Config::kBlockN * kChunks;  // per tensor
+    for (int c = consumer_tid; c < 2 * kPieces; c += Config::kConsumerThreads) {
+      const bool is_k = c >= kPieces;
+      const int piece = is_k ? c - kPieces : c;
+      const int row = piece / kChunks, chunk = piece % kChunks;
+      if (n0 + row >= a.kv_len) continue;
+      const int64_t offset =
+          ((static_cast<int64_t>(tile.batch) * a.kv_len + n0 + row) * a.kv_heads + tile.kv_head) * Config::kHeadDim +
+          chunk * 8;
+      const Element* src = (is_k ? stage_k : stage_v) + StagingOffset(row, chunk * 8);
+      *reinterpret_cast<uint4*>((is_k ? dk_out : dv_out) + offset) = *reinterpret_cast<const uint4*>(src);
     }
   }
 };

@@ -222,7 +222,9 @@ struct BwdConsumer {
       }
     }
     if (wg_tid == 0) BulkWaitAll();  // the last reduction has read its slice before the CTA ends
-    BwdEpilogue<Config>::StoreDkDv(a, tile, tdKrdK, tdVrdV, cdKV);
+    // Both warpgroups' last GEMMs have read Q and dO: their shared memory stages dV and dK.
+    NamedBarrierSync(kBwdBarrierDs, Config::kConsumerThreads);
+    BwdEpilogue<Config>::StoreDkDv(a, tile, tdKrdK, tdVrdV, cdKV, smem.dout.data(), smem.q.data(), consumer_tid);
   }
 };
 
