@@ -166,7 +166,7 @@ constexpr int kBwdBarrierDqTurn = 4;
 // Run-time arguments of the backward instances.
 struct BwdArgs : ProblemArgs {
   float* dq_accum = nullptr;        // [B, N, num_m_blocks, kBlockM * H] fp32 tiles in fragment order
-                                    // (bwd_epilogue.h), zeroed before the kernel
+                                    // (bwd_epilogue.h), zeroed by the pre-pass
   void* dq = nullptr;               // [B, T, N, H]: written by the post-pass
   const float* lse_log2 = nullptr;  // [B, N, t_pad]: lse * log2(e); +inf for rows with no probability
   const float* dpsum = nullptr;     // [B, N, t_pad]: rowsum(dO o O) - dlse (0 past T)

@@ -39,6 +39,14 @@ __global__ void __launch_bounds__(kWarps * 32) BwdPrepassKernel(BwdPrepassArgs a
   const int q_valid = a.q_lens == nullptr ? a.q_len : min(max(a.q_lens[b], 0), a.q_len);
   const int64_t stats = (static_cast<int64_t>(b) * a.heads + n) * a.t_pad;
   const float sink = a.sink != nullptr ? a.sink[n] : 0.0f;
+  if (a.dq_accum != nullptr) {  // this block's rows of the (b, n) slab of the dQ accumulator
+    const int first = static_cast<int>(blockIdx.x) * kRowsPerBlock;
+    const int rows = min(kRowsPerBlock, a.t_pad - first);
+    float4* slab = reinterpret_cast<float4*>(a.dq_accum + (stats + first) * a.head_dim);
+    for (int v = static_cast<int>(threadIdx.x); v < rows * a.head_dim / 4; v += kWarps * 32) {
+      slab[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
   float dsink = 0.0f;
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int i = static_cast<int>(blockIdx.x) * kRowsPerBlock + warp * kRowsPerWarp + k;

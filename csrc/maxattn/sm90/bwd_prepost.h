@@ -9,6 +9,8 @@
 //              each pre-pass block writes its partial sum, and a second
 //              kernel adds a (b, n)'s partials in a fixed order (the same
 //              bits on every run, as the main kernel's dK and dV).
+// It also zeroes the main kernel's fp32 dQ accumulator, block by block (its
+// 64 rows of a (b, n)), so the zeroing is counted and launched with it.
 // (The dQ post-pass depends on the kernel instance's dQ layout: bwd_kernel.h.)
 #ifndef MAXATTN_SM90_BWD_PREPOST_H_
 #define MAXATTN_SM90_BWD_PREPOST_H_
@@ -33,6 +35,7 @@ struct BwdPrepassArgs {
   float* dpsum = nullptr;          // [B, N, t_pad]
   float* dsink = nullptr;          // [B, N] or null
   float* dsink_partial = nullptr;  // [B, N, BwdPrepassBlocks(t_pad)] workspace, with dsink
+  float* dq_accum = nullptr;       // [B, N, t_pad, H] fp32, zeroed here; or null
   int batch = 0, q_len = 0, heads = 0, head_dim = 0, t_pad = 0;
 };
 

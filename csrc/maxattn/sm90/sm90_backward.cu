@@ -146,11 +146,10 @@ Status BackwardImpl(const AttentionShape& shape, const AttentionOptions& options
   pre.heads = static_cast<int>(N);
   pre.head_dim = static_cast<int>(H);
   pre.t_pad = args.t_pad;
+  pre.dq_accum = S > 0 ? args.dq_accum : nullptr;
   MAXATTN_RETURN_IF_ERROR(sm90::LaunchBwdPrepass(pre, stream));
   if (S == 0) return Status::Ok();  // only the sinks' gradient was left to compute
 
-  MAXATTN_RETURN_IF_ERROR(
-      CudaStatus(cudaMemsetAsync(args.dq_accum, 0, accum_bytes, stream), "cudaMemsetAsync(dq accumulator)"));
   if (args.dq_turns != nullptr) {
     MAXATTN_RETURN_IF_ERROR(
         CudaStatus(cudaMemsetAsync(args.dq_turns, 0, turns_bytes, stream), "cudaMemsetAsync(dq turn counters)"));
