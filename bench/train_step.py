@@ -18,6 +18,8 @@ variants interleaved, the order alternating; medians over `--reps`, plus the pai
 With --ncu each variant instead runs in its own process under Nsight Compute (bench/ncu_time.py) and
 the table reports the device time of all kernels of a step (launch gaps and memsets excluded): stable
 to a fraction of a percent, so it can show a max_logit + QK-Clip cost near 1% that wall clock cannot.
+ncu costs tens of milliseconds per profiled kernel, so keep the profiled work small
+(`--ncu --layers 1 --calls 1`: a minute or less per variant); each child reports its time on stderr.
 
 Usage (on the GPU machine): python bench/train_step.py [--impls sm90,cudnn] [--fa3] [--ncu] [--json out.json]
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -135,11 +138,17 @@ def _device_times(opts, argv, names) -> tuple[dict, dict]:
     ms, errors = {}, {}
     child = [a for a in argv if a != "--ncu"]
     for name in names:
+        t0 = time.perf_counter()
         kernels = ncu_time.kernel_times([sys.executable, __file__, *child, "--child", name])
         if isinstance(kernels, str):
-            errors[name] = kernels.strip().splitlines()[-1] if kernels.strip() else "no kernels profiled"
+            lines = kernels.strip().splitlines() or ["no kernels profiled"]
+            errors[name] = next((ln for ln in reversed(lines) if re.match(r"\w*(Error|Exception)\b", ln)), lines[-1])
+            print(f"# {name}: {errors[name]}", file=sys.stderr, flush=True)
         else:
             ms[name] = sum(ns for _, ns in kernels) / opts.calls / 1e9  # seconds, as the wall-clock samples
+            # ncu costs tens of ms per profiled kernel: say how long a child took, to size --calls/--layers
+            print(f"# {name}: {ms[name] * 1e3:.3f} ms/step, {len(kernels) // opts.calls} kernels/step, "
+                  f"child {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return ms, errors
 
 
@@ -159,10 +168,10 @@ def main(argv=None):
     opts = p.parse_args(argv)
     B, T, N, K, H = (int(x) for x in opts.shape.split(","))
     d = N * H
-    params = init_params(jax.random.key(0), opts.layers, d, N, K, H)
-    x = jax.random.normal(jax.random.key(1), (B, T, d), jnp.bfloat16)
-
     variants = _variants(opts)
+    if not opts.ncu or opts.child:  # with --ncu only the children touch the GPU
+        params = init_params(jax.random.key(0), opts.layers, d, N, K, H)
+        x = jax.random.normal(jax.random.key(1), (B, T, d), jnp.bfloat16)
     if opts.child:
         fn = variants[opts.child]
         for _ in range(opts.warmup + 1):
