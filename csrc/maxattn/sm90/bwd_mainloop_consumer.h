@@ -52,15 +52,23 @@ struct BwdConsumer {
     constexpr int kBlockM = Config::kBlockM;
     constexpr int kBlockN = Config::kBlockN;
     constexpr bool kSplitKeys = Config::kDqSplitKeys;
-    const int wg = consumer_tid / 128;
+    // The warpgroup index through a shuffle, so the compiler knows it is warp-uniform: the GEMMs'
+    // shared-memory descriptors then live in uniform registers. Derived from the thread index they
+    // were built per thread and moved over (R2UR) before every WGMMA: four extra instructions and a
+    // dependency stall per WGMMA of the S^T and dP^T GEMMs.
+    const int wg = __shfl_sync(0xffffffff, consumer_tid / 128, 0);
     const int wg_tid = consumer_tid % 128;
 
     typename Config::TiledMmaSdP mma_sdp;
     typename Config::TiledMmadKV mma_dkv;
     typename Config::TiledMmadQ mma_dq;
+    // Operand (descriptor) partitions depend only on the warpgroup: sliced at its first thread.
+    // Accumulator coordinates need the thread itself.
+    auto wg_sdp = mma_sdp.get_thread_slice(wg * 128);
+    auto wg_dkv = mma_dkv.get_thread_slice(wg * 128);
+    auto wg_dq = mma_dq.get_thread_slice(kSplitKeys ? 0 : wg * 128);
     auto thr_sdp = mma_sdp.get_thread_slice(consumer_tid);
     auto thr_dkv = mma_dkv.get_thread_slice(consumer_tid);
-    auto thr_dq = mma_dq.get_thread_slice(kSplitKeys ? consumer_tid % 128 : consumer_tid);
 
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Config::SmemLayoutQ{});
     Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Config::SmemLayoutQt{});
@@ -70,12 +78,12 @@ struct BwdConsumer {
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Config::SmemLayoutV{});
     Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Config::SmemLayoutdSt{});
 
-    Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // S^T: keys x head dim
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, N, K, stage)
-    Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
-    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
-    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, H, queries, stage)
-    Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+    Tensor tSrK = wg_sdp.partition_fragment_A(sK);     // S^T: keys x head dim
+    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);     // (MMA, N, K, stage)
+    Tensor tdPrV = wg_sdp.partition_fragment_A(sV);
+    Tensor tdPrdO = wg_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdO = wg_dkv.partition_fragment_B(sdOt);  // (MMA, H, queries, stage)
+    Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);
     // dQ's operands: dS (queries x keys, one of two buffers) and K^T; with
     // kSplitKeys only this warpgroup's 64 keys of each.
     auto dq_operands = [&] {
@@ -86,13 +94,13 @@ struct BwdConsumer {
                                   typename Config::SmemLayoutdSHalf{});
         Tensor sKt = make_tensor(make_smem_ptr(smem.k.data() + wg * (kBlockN / 2) * Config::kHeadDim),
                                  typename Config::SmemLayoutKtHalf{});
-        return make_tuple(thr_dq.partition_fragment_A(sdS0), thr_dq.partition_fragment_A(sdS1),
-                          thr_dq.partition_fragment_B(sKt));
+        return make_tuple(wg_dq.partition_fragment_A(sdS0), wg_dq.partition_fragment_A(sdS1),
+                          wg_dq.partition_fragment_B(sKt));
       } else {
         Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Config::SmemLayoutdS{});
         Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Config::SmemLayoutKt{});
-        Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, M, K, buffer)
-        return make_tuple(tdQrdS(_, _, _, 0), tdQrdS(_, _, _, 1), thr_dq.partition_fragment_B(sKt));
+        Tensor tdQrdS = wg_dq.partition_fragment_A(sdS);  // (MMA, M, K, buffer)
+        return make_tuple(tdQrdS(_, _, _, 0), tdQrdS(_, _, _, 1), wg_dq.partition_fragment_B(sKt));
       }
     }();
     auto tdQrdS0 = get<0>(dq_operands);
