@@ -31,10 +31,12 @@ def csv_rows(text: str) -> list[dict[str, str]]:
     header's are dropped (ncu's source page can carry more than it names)."""
     lines = [line for line in text.splitlines() if line.startswith('"')]
     table = list(csv.reader(io.StringIO("\n".join(lines))))
-    if not table:
+    # The source page starts with a ("Kernel Name", name) line before its header.
+    start = next((i for i, row in enumerate(table) if "Address" in row or "Metric Name" in row), 0)
+    if start >= len(table):
         return []
-    header = table[0]
-    return [dict(zip(header, row)) for row in table[1:]]
+    header = table[start]
+    return [dict(zip(header, row)) for row in table[start + 1:]]
 
 
 def number(text: str) -> float:
@@ -74,7 +76,7 @@ def summarize(rows: list[dict[str, str]], report: str, top: int) -> str:
     total_col = next((c for c in cols if "Sampling (All" in c), None)
     if total_col is None:
         return "columns: " + ", ".join(cols)
-    reasons = [c for c in cols if c.lower().startswith("stall_") or c.startswith("Warp Stall Sampling (All Samples)_")]
+    reasons = [c for c in cols if c.lower().startswith("stall_") and "Not Issued" not in c]
     if not reasons:  # older ncu names the per-reason columns after the reason only
         reasons = [c for c in cols if "stall" in c.lower() and c != total_col and "Not-issued" not in c]
     total = sum(number(r[total_col]) for r in rows) or 1.0
@@ -98,9 +100,14 @@ def main() -> None:
     p.add_argument("--name-base", default="demangled", help="what --kernel matches (ncu --kernel-name-base)")
     p.add_argument("--out", help="report path without extension")
     p.add_argument("--report", help="read this existing .ncu-rep instead of profiling")
+    p.add_argument("--csv", help="summarize a saved source page (<out>.source.csv.gz) instead")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("command", nargs=argparse.REMAINDER)
     opts = p.parse_args()
+    if opts.csv:
+        with gzip.open(opts.csv, "rt") as f:
+            print(summarize(csv_rows(f.read()), opts.csv, opts.top))
+        return
     report = opts.report
     if report is None:
         if not (opts.kernel and opts.out and opts.command):
