@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compile-and-link check of the cuDNN extension module on a machine without a
 # GPU (CI): builds _maxattn_cuda with MAXATTN_CUDA=ON and fails if the module
-# has undefined symbols other than Python's (which the interpreter provides).
+# has undefined symbols other than Python's (which the interpreter provides);
+# then builds and runs the sm90 kernels' host-only layout checks.
 # Skips (exit 0, saying so) only when nvcc is absent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,3 +22,8 @@ if [ -n "$missing" ]; then
   echo "[cuda-check] $module has unresolved symbols:"; echo "$missing"; exit 1
 fi
 echo "[cuda-check] built and linked $module; no unresolved non-Python symbols"
+# Host-only layout checks of the sm90 kernels (tests/cuda/sm90_layout_check.cu), when they were built in.
+if [ -d build/cuda-check/csrc/maxattn/sm90 ]; then
+  cmake --build build/cuda-check -j "$(nproc)" --target sm90_layout_check
+  build/cuda-check/csrc/maxattn/sm90/sm90_layout_check
+fi

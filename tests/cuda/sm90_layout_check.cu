@@ -1,0 +1,78 @@
+// Host-only checks of CuTe layout facts the sm90 backward relies on (no GPU
+// needed; CI runs it after the CUDA compile-and-link check).
+//
+// The backward's consumers take the shared-memory operand partitions of their
+// GEMMs (the WGMMA descriptors) from the thread slice of their warpgroup's
+// first thread, so the descriptors are warp-uniform and live in uniform
+// registers (bwd_mainloop_consumer.h). That is only right if every thread of a
+// warpgroup gets the same partition as its first thread -- checked here for
+// each operand and head dim, together with the converse for S^T's A operand
+// (the two warpgroups own different keys, so theirs must differ).
+// Exit code 1 on any mismatch.
+#include <cstdio>
+
+#include <cute/tensor.hpp>
+
+#include "maxattn/sm90/bwd_config.h"
+
+namespace {
+
+using namespace cute;
+
+template <class Config>
+int CheckWarpgroupUniformOperands() {
+  using Element = typename Config::Element;
+  // Layout algebra only: a made-up shared-memory address, never dereferenced.
+  Element* base = reinterpret_cast<Element*>(uintptr_t{1} << 16);
+  Tensor sQ = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutK{});
+  Tensor sQt = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutQt{});
+  typename Config::TiledMmaSdP mma_sdp;
+  typename Config::TiledMmadKV mma_dkv;
+  typename Config::TiledMmadQ mma_dq;
+  int mismatches = 0;
+  auto expect_same = [&](const auto& mine, const auto& first, const char* operand, int t) {
+    if (mine.layout() == first.layout() && mine.data() == first.data()) return;
+    if (mismatches++ < 8) std::printf("  H=%d %s: thread %d differs from its warpgroup's first thread\n",
+                                      Config::kHeadDim, operand, t);
+  };
+  for (int t = 0; t < Config::kConsumerThreads; ++t) {
+    const int first = t / 128 * 128;
+    auto sdp = mma_sdp.get_thread_slice(t), sdp0 = mma_sdp.get_thread_slice(first);
+    expect_same(sdp.partition_A(sK), sdp0.partition_A(sK), "S^T/dP^T A (K, V)", t);
+    expect_same(sdp.partition_B(sQ), sdp0.partition_B(sQ), "S^T/dP^T B (Q, dO)", t);
+    auto dkv = mma_dkv.get_thread_slice(t), dkv0 = mma_dkv.get_thread_slice(first);
+    expect_same(dkv.partition_B(sQt), dkv0.partition_B(sQt), "dK/dV B (Q^T, dO^T)", t);
+    if constexpr (Config::kDqSplitKeys) {  // one warpgroup's tiled MMA over its own keys
+      Tensor sdS = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutdSHalf{});
+      Tensor sKt = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutKtHalf{});
+      auto dq = mma_dq.get_thread_slice(t % 128), dq0 = mma_dq.get_thread_slice(0);
+      expect_same(dq.partition_A(sdS), dq0.partition_A(sdS), "dQ A (dS half)", t);
+      expect_same(dq.partition_B(sKt), dq0.partition_B(sKt), "dQ B (K^T half)", t);
+    } else {
+      Tensor sdS = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutdS{});
+      Tensor sKt = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutKt{});
+      auto dq = mma_dq.get_thread_slice(t), dq0 = mma_dq.get_thread_slice(first);
+      expect_same(dq.partition_A(sdS), dq0.partition_A(sdS), "dQ A (dS)", t);
+      expect_same(dq.partition_B(sKt), dq0.partition_B(sKt), "dQ B (K^T)", t);
+    }
+  }
+  if (mma_sdp.get_thread_slice(0).partition_A(sK).data() == mma_sdp.get_thread_slice(128).partition_A(sK).data()) {
+    std::printf("  H=%d S^T A: both warpgroups got the same keys\n", Config::kHeadDim);
+    ++mismatches;
+  }
+  std::printf("backward H=%d%s: operand partitions warpgroup-uniform: %s\n", Config::kHeadDim,
+              Config::kSoftcap ? " (fp16, soft cap)" : "", mismatches == 0 ? "ok" : "FAILED");
+  return mismatches;
+}
+
+}  // namespace
+
+int main() {
+  using maxattn::sm90::BwdConfig;
+  int failures = 0;
+  failures += CheckWarpgroupUniformOperands<BwdConfig<128, cutlass::bfloat16_t>>();
+  failures += CheckWarpgroupUniformOperands<BwdConfig<64, cutlass::bfloat16_t>>();
+  failures += CheckWarpgroupUniformOperands<BwdConfig<128, cutlass::half_t, true>>();
+  return failures == 0 ? 0 : 1;
+}
