@@ -19,13 +19,15 @@ import os
 import subprocess
 
 
-def kernel_times(argv: list[str], timeout: float = 600) -> list[tuple[str, float]] | str:
-    """[(kernel name, ns)] of every kernel in the profiled range of `argv`, or the error text."""
+def kernel_times(argv: list[str], timeout: float = 600, live_stderr: bool = False) -> list[tuple[str, float]] | str:
+    """[(kernel name, ns)] of every kernel in the profiled range of `argv`, or the error text.
+    live_stderr: the child's stderr goes straight to ours (its progress, as it happens) instead of
+    into the error text."""
     cmd = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
            "--csv", "--print-units", "base", *argv]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                             env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+        res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if live_stderr else subprocess.PIPE, text=True,
+                             timeout=timeout, env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{type(e).__name__}: {e}"
     kernels = parse_csv(res.stdout)

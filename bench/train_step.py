@@ -139,7 +139,8 @@ def _device_times(opts, argv, names) -> tuple[dict, dict]:
     child = [a for a in argv if a != "--ncu"]
     for name in names:
         t0 = time.perf_counter()
-        kernels = ncu_time.kernel_times([sys.executable, __file__, *child, "--child", name])
+        kernels = ncu_time.kernel_times([sys.executable, __file__, *child, "--child", name], timeout=opts.ncu_timeout,
+                                        live_stderr=True)
         if isinstance(kernels, str):
             lines = kernels.strip().splitlines() or ["no kernels profiled"]
             errors[name] = next((ln for ln in reversed(lines) if re.match(r"\w*(Error|Exception)\b", ln)), lines[-1])
@@ -163,6 +164,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--ncu", action="store_true", help="device time per step from Nsight Compute")
+    p.add_argument("--ncu-timeout", type=float, default=300, help="seconds per --ncu child")
     p.add_argument("--child", help=argparse.SUPPRESS)  # --ncu's child: run this variant's profiled steps
     p.add_argument("--json")
     opts = p.parse_args(argv)
@@ -172,15 +174,19 @@ def main(argv=None):
     if not opts.ncu or opts.child:  # with --ncu only the children touch the GPU
         params = init_params(jax.random.key(0), opts.layers, d, N, K, H)
         x = jax.random.normal(jax.random.key(1), (B, T, d), jnp.bfloat16)
-    if opts.child:
+    if opts.child:  # progress on stderr (the parent passes it through), so a slow child shows where it is
+        t0 = time.perf_counter()
         fn = variants[opts.child]
         for _ in range(opts.warmup + 1):
             jax.block_until_ready(fn(params, x))
+        print(f"#   {opts.child}: compiled and warmed up in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
+              flush=True)
         with ncu_time.profiled():
             out = None
             for _ in range(opts.calls):
                 out = fn(params, x)
             jax.block_until_ready(out)
+        print(f"#   {opts.child}: profiled steps done at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         return
     errors = {}
     if opts.ncu:  # the children compile and run the variants (a refusal is their error)
