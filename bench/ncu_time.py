@@ -7,7 +7,7 @@ stable to a fraction of a percent. `kernel_times` runs a command under
 
 and returns each kernel launched inside the child's `profiled()` range with its device time. ncu
 serialises the kernels, so their sum excludes launch gaps; memsets and copies are not kernels and
-are not counted.
+are not counted. The child runs with XLA's command buffers (CUDA graphs) off.
 """
 
 from __future__ import annotations
@@ -25,9 +25,14 @@ def kernel_times(argv: list[str], timeout: float = 600, live_stderr: bool = Fals
     into the error text."""
     cmd = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
            "--csv", "--print-units", "base", *argv]
+    # XLA replays longer kernel sequences (a training step) as CUDA graphs ("command buffers"); ncu
+    # then profiles graph nodes, slowly if at all -- two train_step.py runs printed nothing for
+    # minutes. Plain launches give the same kernels and the same device times.
+    xla_flags = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_FLAGS": xla_flags}
     try:
         res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if live_stderr else subprocess.PIPE, text=True,
-                             timeout=timeout, env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+                             timeout=timeout, env=env)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{type(e).__name__}: {e}"
     kernels = parse_csv(res.stdout)
