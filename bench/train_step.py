@@ -135,7 +135,7 @@ def _variants(opts) -> dict:
 
 def _device_times(opts, argv, names) -> tuple[dict, dict]:
     """Device seconds per step of each variant, each in its own process under ncu; and the errors."""
-    ms, errors = {}, {}
+    seconds, errors = {}, {}
     child = [a for a in argv if a != "--ncu"]
     for name in names:
         t0 = time.perf_counter()
@@ -146,11 +146,11 @@ def _device_times(opts, argv, names) -> tuple[dict, dict]:
             errors[name] = next((ln for ln in reversed(lines) if re.match(r"\w*(Error|Exception)\b", ln)), lines[-1])
             print(f"# {name}: {errors[name]}", file=sys.stderr, flush=True)
         else:
-            ms[name] = sum(ns for _, ns in kernels) / opts.calls / 1e9  # seconds, as the wall-clock samples
+            seconds[name] = sum(ns for _, ns in kernels) / opts.calls / 1e9  # as the wall-clock samples
             # ncu costs tens of ms per profiled kernel: say how long a child took, to size --calls/--layers
-            print(f"# {name}: {ms[name] * 1e3:.3f} ms/step, {len(kernels) // opts.calls} kernels/step, "
+            print(f"# {name}: {seconds[name] * 1e3:.3f} ms/step, {len(kernels) // opts.calls} kernels/step, "
                   f"child {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    return ms, errors
+    return seconds, errors
 
 
 def main(argv=None):

@@ -156,12 +156,14 @@ struct BwdConfig {
 
 // Named barriers of the backward's consumers (0 is __syncthreads): kBwdBarrierDs
 // (256 threads: both warpgroups' dS are in shared memory; also the set-up of the
-// deterministic mode's turns), with kDqSplitKeys kBwdBarrierDsWarpgroup + w
-// (128 threads: warpgroup w's are), and in the deterministic mode
-// kBwdBarrierDqTurn + w (128 threads: warpgroup w's dQ turn, bwd_dq_order.h).
+// deterministic mode's turns and the dK/dV staging), with kDqSplitKeys
+// kBwdBarrierDsWarpgroup + w (128 threads: warpgroup w's are), and
+// kBwdBarrierDqStaged + w (128 threads: warpgroup w's dQ slice is in shared
+// memory, so one thread may reduce it -- in the deterministic mode after
+// waiting for its turn, bwd_dq_order.h).
 constexpr int kBwdBarrierDs = 1;
 constexpr int kBwdBarrierDsWarpgroup = 2;
-constexpr int kBwdBarrierDqTurn = 4;
+constexpr int kBwdBarrierDqStaged = 4;
 
 // Run-time arguments of the backward instances.
 struct BwdArgs : ProblemArgs {

@@ -204,7 +204,7 @@ struct BwdConsumer {
           float* slice = smem.dq[wg];
           BwdEpilogue<Config>::StageDq(slice, tdQrdQ, wg_tid);
           cutlass::arch::fence_view_async_shared();
-          NamedBarrierSync(kBwdBarrierDqTurn + wg, 128);
+          NamedBarrierSync(kBwdBarrierDqStaged + wg, 128);
           if (wg_tid == 0) {
             float* dst = BwdEpilogue<Config>::GmemSlice(a, tile.batch, head, m, wg);
             constexpr int kBytes = Config::kDqSliceFloats * static_cast<int>(sizeof(float));

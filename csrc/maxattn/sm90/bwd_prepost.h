@@ -35,7 +35,8 @@ struct BwdPrepassArgs {
   float* dpsum = nullptr;          // [B, N, t_pad]
   float* dsink = nullptr;          // [B, N] or null
   float* dsink_partial = nullptr;  // [B, N, BwdPrepassBlocks(t_pad)] workspace, with dsink
-  float* dq_accum = nullptr;       // [B, N, t_pad, H] fp32, zeroed here; or null
+  float* dq_accum = nullptr;       // the main kernel's fp32 dQ tiles (B * N * t_pad * H floats: bwd_config.h),
+                                   // zeroed here as a flat slab; or null
   int batch = 0, q_len = 0, heads = 0, head_dim = 0, t_pad = 0;
 };
 
