@@ -39,12 +39,23 @@ def kernel_times(argv: list[str], timeout: float = 600, live_stderr: bool = Fals
     return kernels if kernels else (res.stderr or res.stdout)[-2000:]
 
 
+def csv_records(text: str) -> list[dict[str, str]]:
+    """The records of ncu's --csv output: its quoted lines, keyed by the header among them (a
+    metrics page's, with "Metric Name", or the source page's, with "Address": that page starts with a
+    ("Kernel Name", name) line before it). Fields past the header's are dropped (the source page can
+    carry more than it names)."""
+    lines = [line for line in text.splitlines() if line.startswith('"')]
+    table = list(csv.reader(io.StringIO("\n".join(lines))))
+    start = next((i for i, row in enumerate(table) if "Address" in row or "Metric Name" in row), 0)
+    if start >= len(table):
+        return []
+    return [dict(zip(table[start], row)) for row in table[start + 1:]]
+
+
 def parse_csv(text: str) -> list[tuple[str, float]]:
     """The (kernel name, gpu__time_duration.sum in ns) records of ncu's --csv output."""
-    rows = [line for line in text.splitlines() if line.startswith('"')]
     return [(rec["Kernel Name"], float(rec["Metric Value"].replace(",", "")))
-            for rec in csv.DictReader(io.StringIO("\n".join(rows)))
-            if rec.get("Metric Name") == "gpu__time_duration.sum"]
+            for rec in csv_records(text) if rec.get("Metric Name") == "gpu__time_duration.sum"]
 
 
 @contextlib.contextmanager

@@ -3,8 +3,8 @@
 
 On the device machine:
 
-    tools/ncu_hotspots.py --kernel BwdKernel --out $OUT/bwd -- build/prebuilt/X/sm90_bwd_harness --perf-only --shape 0
-    tools/ncu_hotspots.py --report $OUT/bwd.ncu-rep          # read an existing report again
+    bench/ncu_hotspots.py --kernel BwdKernel --out $OUT/bwd -- build/prebuilt/X/sm90_bwd_harness --perf-only --shape 0
+    bench/ncu_hotspots.py --report $OUT/bwd.ncu-rep          # read an existing report again
 
 Profiles one launch of the first kernel whose name matches --kernel (after --skip launches of it)
 with `--set full` and source counters, then prints: the kernel's duration and throughput figures,
@@ -15,28 +15,15 @@ each with its share and its two largest stall reasons. The report stays next to 
 from __future__ import annotations
 
 import argparse
-import csv
 import gzip
-import io
 import subprocess
 import sys
+
+from ncu_time import csv_records
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True)
-
-
-def csv_rows(text: str) -> list[dict[str, str]]:
-    """The records of ncu's --csv output (its quoted lines; the first is the header). Fields past the
-    header's are dropped (ncu's source page can carry more than it names)."""
-    lines = [line for line in text.splitlines() if line.startswith('"')]
-    table = list(csv.reader(io.StringIO("\n".join(lines))))
-    # The source page starts with a ("Kernel Name", name) line before its header.
-    start = next((i for i, row in enumerate(table) if "Address" in row or "Metric Name" in row), 0)
-    if start >= len(table):
-        return []
-    header = table[start]
-    return [dict(zip(header, row)) for row in table[start + 1:]]
 
 
 def number(text: str) -> float:
@@ -50,7 +37,7 @@ def source_page(report: str) -> tuple[list[dict[str, str]], str]:
     """The SASS rows of the report's source page, and the raw CSV."""
     for extra in (["--print-source", "sass"], []):
         res = run(["ncu", "-i", report, "--page", "source", "--csv", *extra])
-        rows = csv_rows(res.stdout)
+        rows = csv_records(res.stdout)
         if rows:
             return rows, res.stdout
     sys.exit(f"no source page in {report}: {res.stderr[-1000:]}")
@@ -65,7 +52,7 @@ def details(report: str) -> list[str]:
     except OSError as e:
         return [f"  (no details: {e})"]
     out = []
-    for rec in csv_rows(res.stdout):
+    for rec in csv_records(res.stdout):
         if rec.get("Metric Name") in wanted:
             out.append(f"  {rec['Metric Name']}: {rec.get('Metric Value')} {rec.get('Metric Unit', '')}")
     return out
@@ -106,7 +93,7 @@ def main() -> None:
     opts = p.parse_args()
     if opts.csv:
         with gzip.open(opts.csv, "rt") as f:
-            print(summarize(csv_rows(f.read()), opts.csv, opts.top))
+            print(summarize(csv_records(f.read()), opts.csv, opts.top))
         return
     report = opts.report
     if report is None:
