@@ -9,7 +9,8 @@
 //
 // Threads: warpgroup 0 produces (one thread issues the TMA loads: K and V
 // once, then Q with its lse and dO with its D = rowsum(dO o O) per step into a
-// two-stage pipeline); warpgroups 1 and 2 consume, each owning 64 of the keys:
+// two-stage pipeline; its warp 1 adds the consumers' dQ into dq_accum:
+// bwd_dq_writer.h); warpgroups 1 and 2 consume, each owning 64 of the keys:
 //   S^T  = K Q^T, dP^T = V dO^T   (WGMMA, both operands in shared memory; keys
 //                                  are the M dimension, so P^T and dS^T land in
 //                                  registers in the layout the next GEMMs read)
@@ -18,7 +19,7 @@
 //   dQ   = dS K                    (dS^T stored to shared memory transposed by
 //                                  stmatrix; both operands in shared memory)
 // dQ is summed over the CTAs of a query block in an fp32 buffer by bulk
-// reductions from shared memory (bwd_epilogue.h) and converted by a post-pass.
+// reductions from shared memory (bwd_dq_writer.h) and converted by a post-pass.
 #ifndef MAXATTN_SM90_BWD_CONFIG_H_
 #define MAXATTN_SM90_BWD_CONFIG_H_
 
@@ -154,16 +155,20 @@ struct BwdConfig {
                                              cute::Shape<BlockN, HeadDim>{}, cute::_1{}));
 };
 
-// Named barriers of the backward's consumers (0 is __syncthreads): kBwdBarrierDs
-// (256 threads: both warpgroups' dS are in shared memory; also the set-up of the
-// deterministic mode's turns and the dK/dV staging), with kDqSplitKeys
-// kBwdBarrierDsWarpgroup + w (128 threads: warpgroup w's are), and
-// kBwdBarrierDqStaged + w (128 threads: warpgroup w's dQ slice is in shared
-// memory, so one thread may reduce it -- in the deterministic mode after
-// waiting for its turn, bwd_dq_order.h).
+// Named barriers of the backward (0 is __syncthreads): kBwdBarrierDs (256
+// consumer threads: both warpgroups' dS are in shared memory; also the set-up
+// of the deterministic mode's turns and the dK/dV staging), with kDqSplitKeys
+// kBwdBarrierDsWarpgroup + w (128 threads: warpgroup w's are); the dQ
+// hand-over between consumer warpgroup w and the dQ writer warp
+// (bwd_dq_writer.h), 160 threads each: kBwdBarrierDqFull + w (w's slice is
+// staged: the warpgroup arrives, the writer waits) and kBwdBarrierDqEmpty + w
+// (the slice has been read: the writer arrives, the warpgroup waits before
+// staging the next one).
 constexpr int kBwdBarrierDs = 1;
 constexpr int kBwdBarrierDsWarpgroup = 2;
-constexpr int kBwdBarrierDqStaged = 4;
+constexpr int kBwdBarrierDqFull = 4;
+constexpr int kBwdBarrierDqEmpty = 6;
+constexpr int kBwdDqHandoverThreads = 128 + 32;
 
 // Run-time arguments of the backward instances.
 struct BwdArgs : ProblemArgs {

@@ -9,19 +9,19 @@
 // (KV head, batch) row; the key blocks are launched last first, see
 // tile_scheduler.h), and within a CTA consumer warpgroup 0, then 1. Each
 // (b, head, query block) has a counter in global memory, zeroed on the stream;
-// the thread that issues a warpgroup's dQ reduction waits until its counter
-// equals its turn, runs the reduction to completion, fences, and increments
-// the counter (release).
+// the dQ writer warp (bwd_dq_writer.h), before it issues a warpgroup's
+// reduction, waits until the counter equals that turn, runs the reduction to
+// completion, fences, and increments the counter (release).
 //
 // A warpgroup's turn for query block m is kConsumerWarpgroups * (the number of
 // CTAs launched before its CTA whose walk includes m) + its index. Walks are
 // QueryBlockRange's, so each CTA counts them from the same function: at its
-// start, the consumers evaluate it for every earlier key block of the row and
+// start, the consumers (Count) evaluate it for every earlier key block of the row and
 // mark the part inside their own walk in a difference array in shared memory,
 // which a prefix sum turns into the count per query block. The turns are then
 // exactly the adds that will happen, in every mask case.
 //
-// A warpgroup only ever waits for CTAs launched before its own, and the
+// A CTA only ever waits for CTAs launched before its own, and the
 // hardware dispatches a grid's blocks in order, so those are resident or done:
 // the waits cannot deadlock.
 #ifndef MAXATTN_SM90_BWD_DQ_ORDER_H_
@@ -42,10 +42,12 @@ class DqOrder {
   // Inactive: adds run at once.
   DqOrder() = default;
 
-  // The turns of a CTA whose walk is [m_lo, m_hi) (non-empty), launched x-th in
-  // its row. Run by all consumer threads; table: m_hi - m_lo + 1 ints of shared memory.
-  __device__ static DqOrder Make(const BwdArgs& a, const BwdTile& tile, int x, int m_lo, int m_hi, int* table,
-                                 int consumer_tid) {
+  // Counts the turns of a CTA whose walk is [m_lo, m_hi) (non-empty), launched
+  // x-th in its row, into table (m_hi - m_lo + 1 ints of shared memory). Run by
+  // all consumer threads, before their first dQ hand-over to the writer warp
+  // (which reads the table through View).
+  __device__ static void Count(const BwdArgs& a, const BwdTile& tile, int x, int m_lo, int m_hi, int* table,
+                               int consumer_tid) {
     constexpr int kThreads = Config::kConsumerThreads;
     const int len = m_hi - m_lo;
     for (int i = consumer_tid; i <= len; i += kThreads) table[i] = 0;
@@ -71,6 +73,10 @@ class DqOrder {
       }
     }
     NamedBarrierSync(kBwdBarrierDs, kThreads);
+  }
+
+  // The turns Count wrote for the walk starting at m_lo.
+  __device__ static DqOrder View(const int* table, int m_lo) {
     DqOrder order;
     order.table_ = table;
     order.m_lo_ = m_lo;

@@ -1,7 +1,7 @@
 // maxattn sm90: what the backward's consumers write to global memory.
 //
-// dQ, every step (StageDq here, then a bulk reduction issued by one thread of
-// the warpgroup: bwd_mainloop_consumer.h): the warpgroup's dQ fragment (fp32,
+// dQ, every step (StageDq here, then a bulk reduction issued by the dQ writer
+// warp: bwd_dq_writer.h): the warpgroup's dQ fragment (fp32,
 // not yet scaled) goes to its 16 KB slice of shared memory, and one bulk
 // reduction (cp.reduce.async.bulk .add.f32) adds
 // the slice into its tile of dq_accum -- whole 128-byte lines in L2 instead of

@@ -10,6 +10,7 @@
 
 #include "maxattn/attention.h"
 #include "maxattn/sm90/bwd_config.h"
+#include "maxattn/sm90/bwd_dq_writer.h"
 #include "maxattn/sm90/bwd_epilogue.h"
 #include "maxattn/sm90/bwd_mainloop_consumer.h"
 #include "maxattn/sm90/bwd_mainloop_producer.h"
@@ -57,7 +58,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_co
                                                                   &m_hi);
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
-    if (threadIdx.x == 0 && m_lo < m_hi) BwdProducer<Config>::Run(p, smem, pipe_q, pipe_do, tile, m_lo, m_hi);
+    if (warp == 0) {
+      if (threadIdx.x == 0 && m_lo < m_hi) BwdProducer<Config>::Run(p, smem, pipe_q, pipe_do, tile, m_lo, m_hi);
+    } else if (warp == 1 && m_lo < m_hi) {
+      const int* order_table = reinterpret_cast<const int*>(smem_raw + sizeof(SharedStorage));
+      BwdDqWriter<Config>::Run(p.args, smem, tile, m_lo, m_hi, order_table, static_cast<int>(threadIdx.x) % 32);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
     int* order_table = reinterpret_cast<int*>(smem_raw + sizeof(SharedStorage));

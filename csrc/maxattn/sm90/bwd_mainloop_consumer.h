@@ -8,9 +8,9 @@
 //      transposed into dS's keys-contiguous layout, one of two buffers);
 //   4. issue dV += P^T dO; make dS visible to the tensor cores (proxy fence,
 //      named barrier); issue dQ = dS K and dK += dS^T Q;
-//   5. dV and dQ retired: release the dO stage, stage dQ in shared memory, one
-//      thread adds it into dq_accum by a bulk reduction (in the deterministic
-//      mode, in this warpgroup's turn: bwd_dq_order.h);
+//   5. dV and dQ retired: release the dO stage; once the dQ writer warp has
+//      read the previous one, stage dQ in this warpgroup's shared slice and
+//      hand it over (the writer adds it into dq_accum: bwd_dq_writer.h);
 //      dK retired: release the Q stage.
 // dK and dV stay in registers for the whole walk and are stored once
 // (bwd_epilogue.h).
@@ -129,15 +129,11 @@ struct BwdConsumer {
     const int n0 = tile.n_block * kBlockN;
 
     if (m_lo < m_hi) {
-      DqOrder<Config> order;
-      if (a.dq_turns != nullptr) {
-        order = DqOrder<Config>::Make(a, tile, launch_index, m_lo, m_hi, order_table, consumer_tid);
-      }
+      if (a.dq_turns != nullptr) DqOrder<Config>::Count(a, tile, launch_index, m_lo, m_hi, order_table, consumer_tid);
       smem.barrier_kv.wait(0);
       PipelineState state;
       int buffer = 0;
       for (int g = 0; g < a.group; ++g) {
-        const int head = tile.kv_head * a.group + g;
         for (int m = m_lo; m < m_hi; ++m) {
           const int stage = static_cast<int>(state.index());
           const int m0 = m * kBlockM;
@@ -187,9 +183,6 @@ struct BwdConsumer {
           Tensor tdKrdS = make_tensor(rdS.data(), make_layout(partition_shape_A(mma_dkv, Shape<BlockN, BlockM>{})));
           IssueGemm<false, true>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), tdVrdV);
           cutlass::arch::fence_view_async_shared();
-          // The previous step's dQ reduction has read this warpgroup's slice
-          // before anyone passes the barrier (the slice is rewritten below).
-          if (wg_tid == 0) BulkWaitRead();
           if constexpr (kSplitKeys) NamedBarrierSync(kBwdBarrierDsWarpgroup + wg, 128);
           else NamedBarrierSync(kBwdBarrierDs, Config::kConsumerThreads);
           Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BlockM, HeadDim>{});
@@ -201,26 +194,12 @@ struct BwdConsumer {
           warpgroup_fence_operand(tdVrdV);
           warpgroup_fence_operand(tdQrdQ);
           pipe_do.consumer_release(state);
-          float* slice = smem.dq[wg];
-          BwdEpilogue<Config>::StageDq(slice, tdQrdQ, wg_tid);
+          // The writer warp has read the slice's previous contents; stage this
+          // step's dQ and hand it over (bwd_dq_writer.h adds it into dq_accum).
+          NamedBarrierSync(kBwdBarrierDqEmpty + wg, kBwdDqHandoverThreads);
+          BwdEpilogue<Config>::StageDq(smem.dq[wg], tdQrdQ, wg_tid);
           cutlass::arch::fence_view_async_shared();
-          NamedBarrierSync(kBwdBarrierDqStaged + wg, 128);
-          if (wg_tid == 0) {
-            float* dst = BwdEpilogue<Config>::GmemSlice(a, tile.batch, head, m, wg);
-            constexpr int kBytes = Config::kDqSliceFloats * static_cast<int>(sizeof(float));
-            if (order.active()) {
-              int* counter = a.dq_turns + (static_cast<int64_t>(tile.batch) * a.heads + head) * a.num_m_blocks + m;
-              order.InTurn(counter, m, wg, [&] {
-                BulkReduceAddF32(dst, slice, kBytes);
-                BulkCommit();
-                BulkWaitAll();
-              });
-            } else {
-              BulkReduceAddF32(dst, slice, kBytes);
-              BulkCommit();
-            }
-          }
-          __syncwarp();  // warp 0 whole again before the next .aligned (wgmma) instruction
+          NamedBarrierArrive(kBwdBarrierDqFull + wg, kBwdDqHandoverThreads);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tdKrdK);
           pipe_q.consumer_release(state);
@@ -229,7 +208,6 @@ struct BwdConsumer {
         }
       }
     }
-    if (wg_tid == 0) BulkWaitAll();  // the last reduction has read its slice before the CTA ends
     // Both warpgroups' last GEMMs have read Q and dO: their shared memory stages dV and dK.
     NamedBarrierSync(kBwdBarrierDs, Config::kConsumerThreads);
     BwdEpilogue<Config>::StoreDkDv(a, tile, tdKrdK, tdVrdV, cdKV, smem.dout.data(), smem.q.data(), consumer_tid);
