@@ -14,6 +14,7 @@
 #include <cute/tensor.hpp>
 
 #include "maxattn/sm90/bwd_config.h"
+#include "maxattn/sm90/kernel_config.h"
 
 namespace {
 
@@ -66,6 +67,41 @@ int CheckWarpgroupUniformOperands() {
   return mismatches;
 }
 
+// The forward's consumers do the same for S = Q K^T (A: their 64 query rows, B: the key block)
+// and O += P V (B: V^T).
+template <class Config>
+int CheckForwardOperands() {
+  using Element = typename Config::Element;
+  Element* base = reinterpret_cast<Element*>(uintptr_t{1} << 16);
+  Tensor sQ = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutVt{});
+  typename Config::TiledMmaS mma_s;
+  typename Config::TiledMmaO mma_o;
+  int mismatches = 0;
+  auto expect_same = [&](const auto& mine, const auto& first, const char* operand, int t) {
+    if (mine.layout() == first.layout() && mine.data() == first.data()) return;
+    if (mismatches++ < 8) std::printf("  forward H=%d %s: thread %d differs from its warpgroup's first thread\n",
+                                      Config::kHeadDim, operand, t);
+  };
+  for (int t = 0; t < Config::kConsumerThreads; ++t) {
+    const int first = t / 128 * 128;
+    auto s = mma_s.get_thread_slice(t), s0 = mma_s.get_thread_slice(first);
+    expect_same(s.partition_A(sQ), s0.partition_A(sQ), "S A (Q)", t);
+    expect_same(s.partition_B(sK), s0.partition_B(sK), "S B (K)", t);
+    auto o = mma_o.get_thread_slice(t), o0 = mma_o.get_thread_slice(first);
+    expect_same(o.partition_B(sVt), o0.partition_B(sVt), "O B (V^T)", t);
+  }
+  if (Config::kConsumerWarpgroups > 1 &&
+      mma_s.get_thread_slice(0).partition_A(sQ).data() == mma_s.get_thread_slice(128).partition_A(sQ).data()) {
+    std::printf("  forward H=%d S A: both warpgroups got the same query rows\n", Config::kHeadDim);
+    ++mismatches;
+  }
+  std::printf("forward H=%d: operand partitions warpgroup-uniform: %s\n", Config::kHeadDim,
+              mismatches == 0 ? "ok" : "FAILED");
+  return mismatches;
+}
+
 }  // namespace
 
 int main() {
@@ -74,5 +110,9 @@ int main() {
   failures += CheckWarpgroupUniformOperands<BwdConfig<128, cutlass::bfloat16_t>>();
   failures += CheckWarpgroupUniformOperands<BwdConfig<64, cutlass::bfloat16_t>>();
   failures += CheckWarpgroupUniformOperands<BwdConfig<128, cutlass::half_t, true>>();
+  using maxattn::sm90::FwdConfig;
+  failures += CheckForwardOperands<FwdConfig<64, cutlass::bfloat16_t, maxattn::sm90::kOverlap, false>>();
+  failures += CheckForwardOperands<FwdConfig<128, cutlass::bfloat16_t, maxattn::sm90::kSm90H128Variant, false>>();
+  failures += CheckForwardOperands<FwdConfig<256, cutlass::bfloat16_t, maxattn::sm90::kOverlap, true>>();
   return failures == 0 ? 0 : 1;
 }

@@ -55,15 +55,22 @@ struct ConsumerMainloop {
 
     typename Config::TiledMmaS mma_s;
     typename Config::TiledMmaO mma_o;
+    // Operand (descriptor) partitions depend only on the warpgroup: sliced at its first thread,
+    // whose index comes through a shuffle so the compiler knows it is warp-uniform and keeps the
+    // descriptors in uniform registers (from the thread index, each S WGMMA was preceded by a
+    // per-thread descriptor computation and two R2UR). Accumulator coordinates need the thread.
+    const int wg_first = __shfl_sync(0xffffffff, consumer_tid / 128, 0) * 128;
+    auto wg_s = mma_s.get_thread_slice(wg_first);
+    auto wg_o = mma_o.get_thread_slice(wg_first);
     auto thr_s = mma_s.get_thread_slice(consumer_tid);
     auto thr_o = mma_o.get_thread_slice(consumer_tid);
 
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Config::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Config::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Config::SmemLayoutVt{});
-    Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // descriptors
-    Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, N, K, stage)
-    Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, H, N, stage)
+    Tensor tSrQ = wg_s.partition_fragment_A(sQ);   // descriptors
+    Tensor tSrK = wg_s.partition_fragment_B(sK);   // (MMA, N, K, stage)
+    Tensor tOrV = wg_o.partition_fragment_B(sVt);  // (MMA, H, N, stage)
     Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});
     Tensor tOrO = partition_fragment_C(mma_o, Shape<BlockM, HeadDim>{});
     Tensor tOrP = make_tensor<Element>(partition_shape_A(mma_o, Shape<BlockM, BlockN>{}));
