@@ -1,7 +1,8 @@
 // maxattn sm90: the backward's pre-pass before the main kernel
 // (bwd_kernel.h).
 //
-// Pre-pass, per row (b, n, i) of [B, N, t_pad], one warp each:
+// Pre-pass, per row (b, n, i) of [B, N, t_pad], H / 8 lanes each (16-byte
+// loads: out and dout must be 16-byte aligned, as XLA's buffers are):
 //   dpsum    = rowsum(dO o O) - dlse       (0 for i >= T)
 //   lse_log2 = lse * log2(e), or +inf where the row has no probability to
 //              give: i >= T, i >= the row's valid length, lse = -inf
