@@ -9,7 +9,7 @@
 //
 // Threads: warpgroup 0 produces (one thread issues the TMA loads: K and V
 // once, then Q with its lse and dO with its D = rowsum(dO o O) per step into a
-// two-stage pipeline; its warp 1 adds the consumers' dQ into dq_accum:
+// two-stage pipeline; its warps 1 and 2 add the consumers' dQ into dq_accum:
 // bwd_dq_writer.h); warpgroups 1 and 2 consume, each owning 64 of the keys:
 //   S^T  = K Q^T, dP^T = V dO^T   (WGMMA, both operands in shared memory; keys
 //                                  are the M dimension, so P^T and dS^T land in
@@ -159,7 +159,7 @@ struct BwdConfig {
 // consumer threads: both warpgroups' dS are in shared memory; also the set-up
 // of the deterministic mode's turns and the dK/dV staging), with kDqSplitKeys
 // kBwdBarrierDsWarpgroup + w (128 threads: warpgroup w's are); the dQ
-// hand-over between consumer warpgroup w and the dQ writer warp
+// hand-over between consumer warpgroup w and its dQ writer warp
 // (bwd_dq_writer.h), 160 threads each: kBwdBarrierDqFull + w (w's slice is
 // staged: the warpgroup arrives, the writer waits) and kBwdBarrierDqEmpty + w
 // (the slice has been read: the writer arrives, the warpgroup waits before

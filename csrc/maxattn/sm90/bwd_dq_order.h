@@ -9,7 +9,7 @@
 // (KV head, batch) row; the key blocks are launched last first, see
 // tile_scheduler.h), and within a CTA consumer warpgroup 0, then 1. Each
 // (b, head, query block) has a counter in global memory, zeroed on the stream;
-// the dQ writer warp (bwd_dq_writer.h), before it issues a warpgroup's
+// the warpgroup's dQ writer warp (bwd_dq_writer.h), before it issues its
 // reduction, waits until the counter equals that turn, runs the reduction to
 // completion, fences, and increments the counter (release).
 //
@@ -44,7 +44,7 @@ class DqOrder {
 
   // Counts the turns of a CTA whose walk is [m_lo, m_hi) (non-empty), launched
   // x-th in its row, into table (m_hi - m_lo + 1 ints of shared memory). Run by
-  // all consumer threads, before their first dQ hand-over to the writer warp
+  // all consumer threads, before their first dQ hand-over to the writer warps
   // (which reads the table through View).
   __device__ static void Count(const BwdArgs& a, const BwdTile& tile, int x, int m_lo, int m_hi, int* table,
                                int consumer_tid) {

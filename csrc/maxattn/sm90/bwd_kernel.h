@@ -60,9 +60,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_co
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
     if (warp == 0) {
       if (threadIdx.x == 0 && m_lo < m_hi) BwdProducer<Config>::Run(p, smem, pipe_q, pipe_do, tile, m_lo, m_hi);
-    } else if (warp == 1 && m_lo < m_hi) {
+    } else if (warp <= Config::kConsumerWarpgroups && m_lo < m_hi) {  // warp w writes warpgroup w - 1's dQ
       const int* order_table = reinterpret_cast<const int*>(smem_raw + sizeof(SharedStorage));
-      BwdDqWriter<Config>::Run(p.args, smem, tile, m_lo, m_hi, order_table, static_cast<int>(threadIdx.x) % 32);
+      BwdDqWriter<Config>::Run(p.args, smem, tile, m_lo, m_hi, order_table, warp - 1,
+                               static_cast<int>(threadIdx.x) % 32);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();

@@ -8,7 +8,7 @@
 //      transposed into dS's keys-contiguous layout, one of two buffers);
 //   4. issue dV += P^T dO; make dS visible to the tensor cores (proxy fence,
 //      named barrier); issue dQ = dS K and dK += dS^T Q;
-//   5. dV and dQ retired: release the dO stage; once the dQ writer warp has
+//   5. dV and dQ retired: release the dO stage; once its dQ writer warp has
 //      read the previous one, stage dQ in this warpgroup's shared slice and
 //      hand it over (the writer adds it into dq_accum: bwd_dq_writer.h);
 //      dK retired: release the Q stage.
