@@ -19,17 +19,18 @@ import os
 import subprocess
 
 
-def kernel_times(argv: list[str], timeout: float = 600, live_stderr: bool = False) -> list[tuple[str, float]] | str:
+def kernel_times(argv: list[str], timeout: float = 600, live_stderr: bool = False,
+                 xla_flags: str = "") -> list[tuple[str, float]] | str:
     """[(kernel name, ns)] of every kernel in the profiled range of `argv`, or the error text.
     live_stderr: the child's stderr goes straight to ours (its progress, as it happens) instead of
-    into the error text."""
+    into the error text. xla_flags: more XLA flags for the child."""
     cmd = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
            "--csv", "--print-units", "base", *argv]
     # XLA replays longer kernel sequences (a training step) as CUDA graphs ("command buffers"); ncu
     # then profiles graph nodes, slowly if at all -- two train_step.py runs printed nothing for
     # minutes. Plain launches give the same kernels and the same device times.
-    xla_flags = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_FLAGS": xla_flags}
+    flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_command_buffer=", xla_flags) if f)
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_FLAGS": flags}
     try:
         res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if live_stderr else subprocess.PIPE, text=True,
                              timeout=timeout, env=env)

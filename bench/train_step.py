@@ -140,7 +140,7 @@ def _device_times(opts, argv, names) -> tuple[dict, dict]:
     for name in names:
         t0 = time.perf_counter()
         kernels = ncu_time.kernel_times([sys.executable, __file__, *child, "--child", name], timeout=opts.ncu_timeout,
-                                        live_stderr=True)
+                                        live_stderr=True, xla_flags=opts.ncu_xla_flags)
         if isinstance(kernels, str):
             lines = kernels.strip().splitlines() or ["no kernels profiled"]
             errors[name] = next((ln for ln in reversed(lines) if re.match(r"\w*(Error|Exception)\b", ln)), lines[-1])
@@ -165,6 +165,12 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--ncu", action="store_true", help="device time per step from Nsight Compute")
     p.add_argument("--ncu-timeout", type=float, default=300, help="seconds per --ncu child")
+    # On the H200 (2026-12-05) every --ncu child died with a segmentation fault before its first step,
+    # while gpu_kernels.py's children (attention alone, no GEMM to autotune) ran under the same ncu.
+    # XLA's GEMM autotuner, which runs candidate kernels while compiling, is what only these children
+    # do: it is off by default here (the same GEMMs in every variant, so the comparison holds).
+    p.add_argument("--ncu-xla-flags", default="--xla_gpu_autotune_level=0",
+                   help="extra XLA_FLAGS for the --ncu children ('' for none)")
     p.add_argument("--child", help=argparse.SUPPRESS)  # --ncu's child: run this variant's profiled steps
     p.add_argument("--json")
     opts = p.parse_args(argv)
