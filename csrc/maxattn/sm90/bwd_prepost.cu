@@ -108,6 +108,7 @@ __global__ void __launch_bounds__(kWarps * 32) BwdPrepassKernel(BwdPrepassArgs a
   }
 }
 
+// The backward's head dims (bwd_config.h's BwdSupportsHeadDim).
 template <class Pair>
 Status LaunchPrepassKernel(const BwdPrepassArgs& args, dim3 grid, cudaStream_t stream) {
   switch (args.head_dim) {
@@ -116,9 +117,6 @@ Status LaunchPrepassKernel(const BwdPrepassArgs& args, dim3 grid, cudaStream_t s
       break;
     case 128:
       BwdPrepassKernel<Pair, 128><<<grid, kWarps * 32, 0, stream>>>(args);
-      break;
-    case 256:
-      BwdPrepassKernel<Pair, 256><<<grid, kWarps * 32, 0, stream>>>(args);
       break;
     default:
       return Status::Internal("sm90 backward pre-pass: no instance for head_dim " + std::to_string(args.head_dim));
