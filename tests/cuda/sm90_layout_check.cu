@@ -20,86 +20,96 @@ namespace {
 
 using namespace cute;
 
+// Layout algebra only: a made-up shared-memory address, never dereferenced.
+template <class Element>
+Element* FakeSmemBase() {
+  return reinterpret_cast<Element*>(uintptr_t{1} << 16);
+}
+
+// Counts (and prints the first eight of) the threads whose operand partition differs from their
+// warpgroup's first thread's.
+struct UniformityCheck {
+  const char* what;  // "backward H=128", ...
+  int mismatches = 0;
+
+  template <class Partition>
+  void ExpectSame(const Partition& mine, const Partition& first, const char* operand, int t) {
+    if (mine.layout() == first.layout() && mine.data() == first.data()) return;
+    if (mismatches++ < 8) std::printf("  %s %s: thread %d differs from its warpgroup's first thread\n", what, operand, t);
+  }
+};
+
 template <class Config>
 int CheckWarpgroupUniformOperands() {
-  using Element = typename Config::Element;
-  // Layout algebra only: a made-up shared-memory address, never dereferenced.
-  Element* base = reinterpret_cast<Element*>(uintptr_t{1} << 16);
+  auto* base = FakeSmemBase<typename Config::Element>();
   Tensor sQ = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutK{});
   Tensor sQt = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutQt{});
   typename Config::TiledMmaSdP mma_sdp;
   typename Config::TiledMmadKV mma_dkv;
   typename Config::TiledMmadQ mma_dq;
-  int mismatches = 0;
-  auto expect_same = [&](const auto& mine, const auto& first, const char* operand, int t) {
-    if (mine.layout() == first.layout() && mine.data() == first.data()) return;
-    if (mismatches++ < 8) std::printf("  H=%d %s: thread %d differs from its warpgroup's first thread\n",
-                                      Config::kHeadDim, operand, t);
-  };
+  char what[32];
+  std::snprintf(what, sizeof(what), "backward H=%d", Config::kHeadDim);
+  UniformityCheck check{what};
   for (int t = 0; t < Config::kConsumerThreads; ++t) {
     const int first = t / 128 * 128;
     auto sdp = mma_sdp.get_thread_slice(t), sdp0 = mma_sdp.get_thread_slice(first);
-    expect_same(sdp.partition_A(sK), sdp0.partition_A(sK), "S^T/dP^T A (K, V)", t);
-    expect_same(sdp.partition_B(sQ), sdp0.partition_B(sQ), "S^T/dP^T B (Q, dO)", t);
+    check.ExpectSame(sdp.partition_A(sK), sdp0.partition_A(sK), "S^T/dP^T A (K, V)", t);
+    check.ExpectSame(sdp.partition_B(sQ), sdp0.partition_B(sQ), "S^T/dP^T B (Q, dO)", t);
     auto dkv = mma_dkv.get_thread_slice(t), dkv0 = mma_dkv.get_thread_slice(first);
-    expect_same(dkv.partition_B(sQt), dkv0.partition_B(sQt), "dK/dV B (Q^T, dO^T)", t);
+    check.ExpectSame(dkv.partition_B(sQt), dkv0.partition_B(sQt), "dK/dV B (Q^T, dO^T)", t);
     if constexpr (Config::kDqSplitKeys) {  // one warpgroup's tiled MMA over its own keys
       Tensor sdS = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutdSHalf{});
       Tensor sKt = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutKtHalf{});
       auto dq = mma_dq.get_thread_slice(t % 128), dq0 = mma_dq.get_thread_slice(0);
-      expect_same(dq.partition_A(sdS), dq0.partition_A(sdS), "dQ A (dS half)", t);
-      expect_same(dq.partition_B(sKt), dq0.partition_B(sKt), "dQ B (K^T half)", t);
+      check.ExpectSame(dq.partition_A(sdS), dq0.partition_A(sdS), "dQ A (dS half)", t);
+      check.ExpectSame(dq.partition_B(sKt), dq0.partition_B(sKt), "dQ B (K^T half)", t);
     } else {
       Tensor sdS = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutdS{});
       Tensor sKt = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutKt{});
       auto dq = mma_dq.get_thread_slice(t), dq0 = mma_dq.get_thread_slice(first);
-      expect_same(dq.partition_A(sdS), dq0.partition_A(sdS), "dQ A (dS)", t);
-      expect_same(dq.partition_B(sKt), dq0.partition_B(sKt), "dQ B (K^T)", t);
+      check.ExpectSame(dq.partition_A(sdS), dq0.partition_A(sdS), "dQ A (dS)", t);
+      check.ExpectSame(dq.partition_B(sKt), dq0.partition_B(sKt), "dQ B (K^T)", t);
     }
   }
   if (mma_sdp.get_thread_slice(0).partition_A(sK).data() == mma_sdp.get_thread_slice(128).partition_A(sK).data()) {
     std::printf("  H=%d S^T A: both warpgroups got the same keys\n", Config::kHeadDim);
-    ++mismatches;
+    ++check.mismatches;
   }
   std::printf("backward H=%d%s: operand partitions warpgroup-uniform: %s\n", Config::kHeadDim,
-              Config::kSoftcap ? " (fp16, soft cap)" : "", mismatches == 0 ? "ok" : "FAILED");
-  return mismatches;
+              Config::kSoftcap ? " (fp16, soft cap)" : "", check.mismatches == 0 ? "ok" : "FAILED");
+  return check.mismatches;
 }
 
 // The forward's consumers do the same for S = Q K^T (A: their 64 query rows, B: the key block)
 // and O += P V (B: V^T).
 template <class Config>
 int CheckForwardOperands() {
-  using Element = typename Config::Element;
-  Element* base = reinterpret_cast<Element*>(uintptr_t{1} << 16);
+  auto* base = FakeSmemBase<typename Config::Element>();
   Tensor sQ = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutVt{});
   typename Config::TiledMmaS mma_s;
   typename Config::TiledMmaO mma_o;
-  int mismatches = 0;
-  auto expect_same = [&](const auto& mine, const auto& first, const char* operand, int t) {
-    if (mine.layout() == first.layout() && mine.data() == first.data()) return;
-    if (mismatches++ < 8) std::printf("  forward H=%d %s: thread %d differs from its warpgroup's first thread\n",
-                                      Config::kHeadDim, operand, t);
-  };
+  char what[32];
+  std::snprintf(what, sizeof(what), "forward H=%d", Config::kHeadDim);
+  UniformityCheck check{what};
   for (int t = 0; t < Config::kConsumerThreads; ++t) {
     const int first = t / 128 * 128;
     auto s = mma_s.get_thread_slice(t), s0 = mma_s.get_thread_slice(first);
-    expect_same(s.partition_A(sQ), s0.partition_A(sQ), "S A (Q)", t);
-    expect_same(s.partition_B(sK), s0.partition_B(sK), "S B (K)", t);
+    check.ExpectSame(s.partition_A(sQ), s0.partition_A(sQ), "S A (Q)", t);
+    check.ExpectSame(s.partition_B(sK), s0.partition_B(sK), "S B (K)", t);
     auto o = mma_o.get_thread_slice(t), o0 = mma_o.get_thread_slice(first);
-    expect_same(o.partition_B(sVt), o0.partition_B(sVt), "O B (V^T)", t);
+    check.ExpectSame(o.partition_B(sVt), o0.partition_B(sVt), "O B (V^T)", t);
   }
   if (Config::kConsumerWarpgroups > 1 &&
       mma_s.get_thread_slice(0).partition_A(sQ).data() == mma_s.get_thread_slice(128).partition_A(sQ).data()) {
     std::printf("  forward H=%d S A: both warpgroups got the same query rows\n", Config::kHeadDim);
-    ++mismatches;
+    ++check.mismatches;
   }
   std::printf("forward H=%d: operand partitions warpgroup-uniform: %s\n", Config::kHeadDim,
-              mismatches == 0 ? "ok" : "FAILED");
-  return mismatches;
+              check.mismatches == 0 ? "ok" : "FAILED");
+  return check.mismatches;
 }
 
 }  // namespace
