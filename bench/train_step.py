@@ -15,18 +15,24 @@ Timing as in bench/gpu.py: a sample is `--calls` back-to-back steps then one blo
 variants interleaved, the order alternating; medians over `--reps`, plus the paired ratio
 (median of per-repetition ratios) of step+clip against step.
 
+With --trace each sample is instead the device time of the step's kernels, from JAX's own profiler
+(bench/trace_time.py: CUPTI, at full speed, in this process): the same interleaved samples and
+paired ratios as wall clock, without launch gaps and host noise.
+
 With --ncu each variant instead runs in its own process under Nsight Compute (bench/ncu_time.py) and
 the table reports the device time of all kernels of a step (launch gaps and memsets excluded): stable
 to a fraction of a percent, so it can show a max_logit + QK-Clip cost near 1% that wall clock cannot.
 ncu costs tens of milliseconds per profiled kernel, so keep the profiled work small
 (`--ncu --layers 1 --calls 1`: a minute or less per variant); each child reports its time on stderr.
 
-Usage (on the GPU machine): python bench/train_step.py [--impls sm90,cudnn] [--fa3] [--ncu] [--json out.json]
+Usage (on the GPU machine): python bench/train_step.py [--impls sm90,cudnn] [--fa3] [--trace | --ncu]
+[--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -39,6 +45,7 @@ import numpy as np
 
 import maxattn
 import ncu_time
+import trace_time
 from maxattn.qk_clip import clip_factors
 
 
@@ -163,6 +170,7 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--trace", action="store_true", help="device time per step from the JAX profiler (CUPTI)")
     p.add_argument("--ncu", action="store_true", help="device time per step from Nsight Compute")
     p.add_argument("--ncu-timeout", type=float, default=300, help="seconds per --ncu child")
     # On the H200 (2026-12-05) every --ncu child died with a segmentation fault before its first step,
@@ -174,6 +182,8 @@ def main(argv=None):
     p.add_argument("--child", help=argparse.SUPPRESS)  # --ncu's child: run this variant's profiled steps
     p.add_argument("--json")
     opts = p.parse_args(argv)
+    if opts.ncu and opts.trace:
+        p.error("--trace and --ncu are two ways to time the same thing: pick one")
     B, T, N, K, H = (int(x) for x in opts.shape.split(","))
     d = N * H
     variants = _variants(opts)
@@ -212,20 +222,28 @@ def main(argv=None):
             order = names if r % 2 == 0 else names[::-1]
             for name in order:
                 fn = variants[name]
-                t0 = time.perf_counter()
-                out = None
-                for _ in range(opts.calls):
-                    out = fn(params, x)
-                jax.block_until_ready(out)
+                with trace_time.kernels() if opts.trace else contextlib.nullcontext() as traced:
+                    t0 = time.perf_counter()
+                    out = None
+                    for _ in range(opts.calls):
+                        out = fn(params, x)
+                    jax.block_until_ready(out)
+                    seconds = (time.perf_counter() - t0) / opts.calls
+                if traced is not None:
+                    if not traced.kernels:
+                        sys.exit(f"--trace: no GPU kernels in the profile of {name!r}; its planes: {traced.layout}")
+                    seconds = traced.total_ns / opts.calls / 1e9
                 if r >= opts.warmup:
-                    samples[name].append((time.perf_counter() - t0) / opts.calls)
+                    samples[name].append(seconds)
         med = {n: statistics.median(s) for n, s in samples.items()}
-        how = f"median of {opts.reps} samples of {opts.calls} steps"
+        how = (f"median of {opts.reps} samples of {opts.calls} steps"
+               + (", device time of the step's kernels (JAX profiler)" if opts.trace else ""))
     print(f"# {opts.layers} layers, B,T,N,K,H = {B},{T},{N},{K},{H}, causal, bf16; {jax.devices()[0].device_kind}; "
           f"{how}")
     print("| variant | ms/step | spread % | vs plain step of the backend (paired) |")
     print("|---|---|---|---|")
-    result = {"shape": [B, T, N, K, H], "layers": opts.layers, "timing": "ncu" if opts.ncu else "wall clock",
+    result = {"shape": [B, T, N, K, H], "layers": opts.layers,
+              "timing": "ncu" if opts.ncu else "jax profiler" if opts.trace else "wall clock",
               "ms": {}, "errors": errors}
     for name, s in samples.items():
         spread = (max(s) - min(s)) / med[name] * 100
