@@ -8,13 +8,17 @@
 // warpgroup gets the same partition as its first thread -- checked here for
 // each operand and head dim, together with the converse for S^T's A operand
 // (the two warpgroups own different keys, so theirs must differ).
+// Also: the persistent forward's tile sequence is a bijection onto the tiles,
+// longest first within each L2 section (tile_scheduler.h).
 // Exit code 1 on any mismatch.
 #include <cstdio>
+#include <vector>
 
 #include <cute/tensor.hpp>
 
 #include "maxattn/sm90/bwd_config.h"
 #include "maxattn/sm90/kernel_config.h"
+#include "maxattn/sm90/tile_scheduler.h"
 
 namespace {
 
@@ -112,6 +116,58 @@ int CheckForwardOperands() {
   return check.mismatches;
 }
 
+// The persistent forward's tile sequence (tile_scheduler.h) visits every (query block, head,
+// batch) exactly once, and a causal section hands out its query blocks longest first.
+int CheckForwardTileOrder() {
+  using maxattn::sm90::FwdArgs;
+  using maxattn::sm90::PersistentLongestFirstScheduler;
+  struct Case {
+    int batch, heads, kv_heads, q_len, kv_len;
+    bool causal;
+  };
+  const Case cases[] = {{4, 32, 32, 2048, 2048, true},   {4, 32, 8, 4096, 4096, true},
+                        {2, 16, 16, 8192, 8192, true},   {3, 5, 1, 1000, 1500, true},
+                        {1, 7, 7, 300, 131072, true},    {4, 32, 32, 2048, 2048, false},
+                        {2, 6, 3, 129, 129, true},     {5, 12, 12, 4096, 4096, true}};
+  int failures = 0;
+  for (const Case& c : cases) {
+    FwdArgs a;
+    a.batch = c.batch;
+    a.heads = c.heads;
+    a.kv_heads = c.kv_heads;
+    a.group = c.heads / c.kv_heads;
+    a.q_len = c.q_len;
+    a.kv_len = c.kv_len;
+    a.causal = c.causal;
+    a.num_m_blocks = (c.q_len + 127) / 128;
+    a.num_tiles = a.num_m_blocks * c.heads * c.batch;
+    a.section_heads = PersistentLongestFirstScheduler::SectionHeads(a, int64_t{2} * c.kv_len * 128 * 2);
+    std::vector<int> seen(static_cast<size_t>(a.num_tiles), 0);
+    int bad = 0, prev_section = -1, prev_m = 0;
+    for (int i = 0; i < a.num_tiles; ++i) {
+      const auto t = PersistentLongestFirstScheduler::Get(a, i);
+      const bool in_range = t.m_block >= 0 && t.m_block < a.num_m_blocks && t.head >= 0 && t.head < a.heads &&
+                            t.batch >= 0 && t.batch < a.batch && t.kv_head == t.head / a.group;
+      if (!in_range || seen[(static_cast<size_t>(t.batch) * a.heads + t.head) * a.num_m_blocks + t.m_block]++) {
+        ++bad;
+        continue;
+      }
+      const int section = (t.batch * a.heads + t.head) / a.section_heads;
+      if (c.causal && section == prev_section && t.m_block > prev_m) ++bad;  // longest first within a section
+      prev_section = section;
+      prev_m = t.m_block;
+    }
+    const bool ok = bad == 0 && a.section_heads % a.group == 0 && (c.causal || a.section_heads == 1);
+    if (!ok) {
+      std::printf("  forward tile order (%d,%d,%d,%d,%d,%s): %d bad tiles, section_heads %d\n", c.batch, c.q_len,
+                  c.heads, c.kv_heads, c.kv_len, c.causal ? "causal" : "none", bad, a.section_heads);
+      ++failures;
+    }
+  }
+  std::printf("forward tile order: every tile once, longest first per section: %s\n", failures == 0 ? "ok" : "FAILED");
+  return failures;
+}
+
 }  // namespace
 
 int main() {
@@ -124,5 +180,6 @@ int main() {
   failures += CheckForwardOperands<FwdConfig<64, cutlass::bfloat16_t, maxattn::sm90::kOverlap, false>>();
   failures += CheckForwardOperands<FwdConfig<128, cutlass::bfloat16_t, maxattn::sm90::kSm90H128Variant, false>>();
   failures += CheckForwardOperands<FwdConfig<256, cutlass::bfloat16_t, maxattn::sm90::kOverlap, true>>();
+  failures += CheckForwardTileOrder();
   return failures == 0 ? 0 : 1;
 }

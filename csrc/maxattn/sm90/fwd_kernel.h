@@ -144,6 +144,10 @@ Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const vo
                           take<0, 2>(typename Config::SmemLayoutV{}),
                           Shape<typename Config::BlockN, typename Config::HeadDim>{}, _1{});
   p.args = args;
+  if constexpr (Config::kPersistentGrid) {
+    const int64_t kv_bytes = 2 * static_cast<int64_t>(args.kv_len) * kHeadDim * sizeof(Element);
+    p.args.section_heads = PersistentLongestFirstScheduler::SectionHeads(args, kv_bytes);
+  }
 
   auto kernel = &FwdKernel<Config>;
   MAXATTN_RETURN_IF_ERROR(CudaStatus(

@@ -178,6 +178,7 @@ struct FwdArgs : ProblemArgs {
   const float* sink_logits = nullptr;  // [N] per-head sink logit (epilogue.h), or null
   int* tile_counter = nullptr;  // persistent grids: tiles handed out after the first wave, zeroed per call
   int num_tiles = 0;            // num_m_blocks * heads * batch
+  int section_heads = 1;        // persistent grids: (head, batch) rows per L2 section (tile_scheduler.h)
 };
 
 template <class Config>
