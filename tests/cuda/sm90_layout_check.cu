@@ -141,7 +141,7 @@ int CheckForwardTileOrder() {
     a.causal = c.causal;
     a.num_m_blocks = (c.q_len + 127) / 128;
     a.num_tiles = a.num_m_blocks * c.heads * c.batch;
-    a.section_heads = PersistentLongestFirstScheduler::SectionHeads(a, int64_t{2} * c.kv_len * 128 * 2);
+    a.section_heads = PersistentLongestFirstScheduler::SectionHeads(a, 128, 2);
     std::vector<int> seen(static_cast<size_t>(a.num_tiles), 0);
     int bad = 0, prev_section = -1, prev_m = 0;
     for (int i = 0; i < a.num_tiles; ++i) {

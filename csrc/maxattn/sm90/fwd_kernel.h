@@ -145,8 +145,7 @@ Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const vo
                           Shape<typename Config::BlockN, typename Config::HeadDim>{}, _1{});
   p.args = args;
   if constexpr (Config::kPersistentGrid) {
-    const int64_t kv_bytes = 2 * static_cast<int64_t>(args.kv_len) * kHeadDim * sizeof(Element);
-    p.args.section_heads = PersistentLongestFirstScheduler::SectionHeads(args, kv_bytes);
+    p.args.section_heads = PersistentLongestFirstScheduler::SectionHeads(args, kHeadDim, sizeof(Element));
   }
 
   auto kernel = &FwdKernel<Config>;

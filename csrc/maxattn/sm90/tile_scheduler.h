@@ -66,13 +66,15 @@ struct PersistentLongestFirstScheduler {
     return dim3(static_cast<unsigned>(args.num_tiles < num_sms ? args.num_tiles : num_sms));
   }
 
-  // Rows per section: as many whole GQA groups as keep their K and V
-  // (kv_bytes per KV head) within kL2SectionBytes, at least one group; 1 when
-  // the tiles are all alike (no causal mask).
+  // Rows per section: as many whole GQA groups as keep their K and V (kv_len x
+  // head_dim elements of element_bytes each, per KV head) within
+  // kL2SectionBytes, at least one group; 1 when the tiles are all alike (no
+  // causal mask).
   static constexpr int64_t kL2SectionBytes = int64_t{32} << 20;
-  static int SectionHeads(const ProblemArgs& args, int64_t kv_bytes) {
+  static int SectionHeads(const ProblemArgs& args, int head_dim, int element_bytes) {
     if (!args.causal) return 1;
     const int64_t rows = static_cast<int64_t>(args.heads) * args.batch;
+    const int64_t kv_bytes = int64_t{2} * args.kv_len * head_dim * element_bytes;
     const int64_t groups = kv_bytes > 0 ? kL2SectionBytes / kv_bytes : rows;
     const int64_t heads = (groups < 1 ? 1 : groups) * args.group;
     return static_cast<int>(heads < rows ? heads : rows);
