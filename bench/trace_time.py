@@ -45,24 +45,22 @@ class Kernels:
 
 def parse(data: ProfileData) -> Kernels:
     """The kernels of the GPU planes of a trace: events of the stream lines ("Stream #..."),
-    except copies and memsets."""
-    found = Kernels()
-    layout = []
+    except copies and memsets. With none, `layout` lists the trace's planes and lines."""
     events = []
     for plane in data.planes:
-        lines = list(plane.lines)
-        layout.append(f"{plane.name}: " + ", ".join(f"{ln.name} ({len(list(ln.events))})" for ln in lines))
         if not plane.name.startswith("/device:GPU"):
             continue
-        for line in lines:
+        for line in plane.lines:
             if not line.name.startswith("Stream"):
                 continue
             for ev in line.events:
                 if ev.duration_ns > 0 and not ev.name.startswith(_NOT_KERNELS):
                     events.append((ev.start_ns, ev.name, ev.duration_ns))
-    found.kernels = [(name, ns) for _, name, ns in sorted(events)]
+    found = Kernels(kernels=[(name, ns) for _, name, ns in sorted(events)])
     if not found.kernels:
-        found.layout = "; ".join(layout)
+        found.layout = "; ".join(
+            f"{plane.name}: " + ", ".join(f"{ln.name} ({len(list(ln.events))})" for ln in plane.lines)
+            for plane in data.planes)
     return found
 
 
