@@ -8,8 +8,8 @@
 #   tools/compare_prebuilt.sh [PERF_ARGS...]     # e.g. --shape 0; REPS=3 by default
 #   HARNESSES="sm90_fwd_harness" tools/compare_prebuilt.sh   # only the forward ones
 #   SANITIZE="comb writer" tools/compare_prebuilt.sh          # then compute-sanitizer racecheck and
-#       synccheck (SAN_TOOLS) on the small cases of the backward harness of each folder whose name
-#       starts with one of these words
+#       synccheck (SAN_TOOLS) on the small cases of each harness (of HARNESSES) in every folder
+#       whose name starts with one of these words
 # Logs: $OUT/numerics.log (every numerics run, whole) and $OUT/sanitize.log -- two files, since
 # the device tool brings back at most eight.
 set -u -o pipefail
@@ -47,14 +47,17 @@ for h in ${HARNESSES:-sm90_bwd_harness sm90_fwd_harness}; do
 done
 for word in ${SANITIZE:-}; do
   for d in $dirs; do
-    [[ $(basename "$d") == "$word"* && -x "$d/sm90_bwd_harness" ]] || continue
-    for tool in ${SAN_TOOLS:-racecheck synccheck}; do
-      echo "== compute-sanitizer --tool $tool $(basename "$d") --small"
-      log=$(mktemp)
-      timeout "${SAN_TIMEOUT:-120}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$d/sm90_bwd_harness" --small \
-        >"$log" 2>&1 || rc=1
-      tail -2 "$log"
-      { echo "==== $tool $(basename "$d")"; cat "$log"; } >>"$out/sanitize.log"; rm -f "$log"
+    [[ $(basename "$d") == "$word"* ]] || continue
+    for h in ${HARNESSES:-sm90_bwd_harness sm90_fwd_harness}; do
+      [ -x "$d/$h" ] || continue
+      for tool in ${SAN_TOOLS:-racecheck synccheck}; do
+        echo "== compute-sanitizer --tool $tool $(basename "$d")/$h --small"
+        log=$(mktemp)
+        timeout "${SAN_TIMEOUT:-120}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$d/$h" --small \
+          >"$log" 2>&1 || rc=1
+        tail -2 "$log"
+        { echo "==== $tool $(basename "$d")/$h"; cat "$log"; } >>"$out/sanitize.log"; rm -f "$log"
+      done
     done
   done
 done
