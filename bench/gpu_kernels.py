@@ -132,6 +132,8 @@ def main() -> None:
                         help="forward+backward variants: --impl, cudnn and (with --fa3) FA3")
     parser.add_argument("--deterministic", action="store_true",
                         help="with --bwd: also --impl with deterministic_backward=True")
+    parser.add_argument("--variants", help="comma-separated subset of the variants to profile (default: all of the "
+                        "mode's), e.g. fwd,fwd+max,fa3 -- each variant is one ncu process")
     parser.add_argument("--json")
     args = parser.parse_args()
     results = {}
@@ -140,6 +142,12 @@ def main() -> None:
                     (["fa3 fwd+bwd"] if args.fa3 else []))
     else:
         variants = list(VARIANTS) + (["fa3"] if args.fa3 else [])
+    if args.variants:
+        wanted = args.variants.split(",")
+        unknown = sorted(set(wanted) - set(variants))
+        if unknown:
+            parser.error(f"--variants: {unknown} not among this mode's variants {variants}")
+        variants = [v for v in variants if v in wanted]
     print(f"# impl {args.impl}; device time per call (ncu --clock-control none, {args.calls} calls)")
     cols = ("vs fwd+bwd", "vs cudnn fwd+bwd") if args.bwd else ("vs fwd", "vs fwd+lse")
     print("| B | T | N | K | H | causal | variant | GPU µs/call | attention µs | maxattn µs | XLA µs | kernels/call "
@@ -156,7 +164,7 @@ def main() -> None:
             o = r["by_origin_us"]
 
             def rel(base):
-                b = row[base].get("us_per_call")
+                b = row.get(base, {}).get("us_per_call")
                 return f"{(r['us_per_call'] / b - 1) * 100:+.2f}%" if b else "—"
 
             base = ("fwd+bwd", "cudnn fwd+bwd") if args.bwd else ("fwd", "fwd+lse")
@@ -165,6 +173,9 @@ def main() -> None:
                   f"{o.get('attention', 0):.1f} | "
                   f"{o.get('maxattn', 0):.1f} | {o.get('xla', 0):.1f} | {r['kernels_per_call']:.0f} | {rel(base[0])} | "
                   f"{rel(base[1])} |")
+        ours, fa3 = ("fwd+bwd", "fa3 fwd+bwd") if args.bwd else ("fwd", "fa3")
+        if row.get(ours, {}).get("us_per_call") and row.get(fa3, {}).get("us_per_call"):
+            print(f"# FA3 time / ours ({fa3} / {ours}): {row[fa3]['us_per_call'] / row[ours]['us_per_call']:.3f}")
         for v, r in row.items():
             for name, us in r.get("kernels_us", {}).items():
                 print(f"#   {v:12s} {us:9.2f} µs  {name}")
