@@ -22,6 +22,7 @@
 #include "maxattn/sm90/barrier.h"
 #include "maxattn/sm90/kernel_config.h"
 #include "maxattn/sm90/mask.h"
+#include "maxattn/sm90/softmax.h"
 #include "maxattn/sm90/tile_scheduler.h"
 
 namespace maxattn::sm90 {
@@ -84,6 +85,14 @@ struct Epilogue {
     const int wg = consumer_tid / 128;
     Element* out = static_cast<Element*>(args.out);
     Element* staged = smem_o + wg * Config::kSmemOHalfElems;
+    // The staging coordinates again, from the thread index read anew: derived from oc, the compiler
+    // computed their swizzled offsets before the main loop and kept them (16 registers) in local
+    // memory across it.
+    int tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    Tensor sc = typename Config::TiledMmaO{}.get_thread_slice(tid - 128).partition_C(
+        make_identity_tensor(Shape<typename Config::BlockM, typename Config::HeadDim>{}));
+    Tensor sc_rc = make_tensor(sc.data(), RowColLayout(sc.layout()));
     if constexpr (Config::kTmaStoreOut) {
       if (consumer_tid % 128 == 0) tma_store_wait<0>();  // the previous tile's store has read the half
       NamedBarrierSync(kFwdBarrierOut + wg, 128);
@@ -124,7 +133,8 @@ struct Epilogue {
         const int col = get<1>(oc(r, c));
         Element* dst = row + col;
         if constexpr (Config::kTmaStoreOut) {
-          dst = staged + typename Config::SmemLayoutOHalf{}(row_in_tile - wg * kRowsPerWarpgroup, col);
+          dst = staged + typename Config::SmemLayoutOHalf{}(get<0>(sc_rc(r, c)) - wg * kRowsPerWarpgroup,
+                                                            get<1>(sc_rc(r, c)));
         }
         *reinterpret_cast<cutlass::Array<Element, 2>*>(dst) = convert(pair);
       }
