@@ -133,8 +133,10 @@ struct Epilogue {
         const int col = get<1>(oc(r, c));
         Element* dst = row + col;
         if constexpr (Config::kTmaStoreOut) {
-          dst = staged + typename Config::SmemLayoutOHalf{}(get<0>(sc_rc(r, c)) - wg * kRowsPerWarpgroup,
-                                                            get<1>(sc_rc(r, c)));
+          // Through a tensor: the smem pointer applies the 128-byte swizzle (the layout's own
+          // function, smem_ptr_flag in place of the address, leaves it out).
+          Tensor sO = make_tensor(make_smem_ptr(staged), typename Config::SmemLayoutOHalf{});
+          dst = &sO(get<0>(sc_rc(r, c)) - wg * kRowsPerWarpgroup, get<1>(sc_rc(r, c)));
         }
         *reinterpret_cast<cutlass::Array<Element, 2>*>(dst) = convert(pair);
       }
