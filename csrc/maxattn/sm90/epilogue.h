@@ -22,6 +22,7 @@
 #include "maxattn/sm90/barrier.h"
 #include "maxattn/sm90/kernel_config.h"
 #include "maxattn/sm90/mask.h"
+#include "maxattn/sm90/softmax.h"
 #include "maxattn/sm90/tile_scheduler.h"
 
 namespace maxattn::sm90 {
@@ -66,18 +67,42 @@ struct Epilogue {
 
   // o: (rows, cols) fp32 accumulator view; oc: the (row, col) coordinates of
   // each of its elements in the tile. softmax: finalised row statistics.
+  // Config::kTmaStoreOut: the warpgroup writes its 64 normalised rows into its
+  // half of smem_o (the 128-byte swizzle of the operand tiles: a warp's 4-byte
+  // stores of 8 rows hit 32 distinct banks) and one thread stores the half by
+  // TMA (rows past T are clipped there); the consumers go on to the next tile
+  // while the store runs, and the next tile's epilogue first waits until it has
+  // read the half. Otherwise each thread stores its pairs from registers (a
+  // quad's 16 bytes of a row: half of each 32-byte sector).
   template <class Softmax, class TensorO, class TensorC>
-  __device__ static void Store(const FwdArgs& args, const Tile& tile, const BlockMask& mask,
-                               const Softmax& softmax, TensorO& o, const TensorC& oc, int consumer_tid) {
+  __device__ static void Store(const FwdArgs& args, const typename Config::TmaO& tma_o, Element* smem_o,
+                               const Tile& tile, const BlockMask& mask, const Softmax& softmax, TensorO& o,
+                               const TensorC& oc, int consumer_tid) {
     using namespace cute;
+    constexpr int kRowsPerWarpgroup = Config::WarpgroupRows::value;
     const int m0 = tile.m_block * Config::kBlockM;
     const int lane = consumer_tid % 32;
+    const int wg = consumer_tid / 128;
     Element* out = static_cast<Element*>(args.out);
+    Element* staged = smem_o + wg * Config::kSmemOHalfElems;
+    // The staging coordinates again, from the thread index read anew: derived from oc, the compiler
+    // computed their swizzled offsets before the main loop and kept them (16 registers) in local
+    // memory across it.
+    int tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    Tensor sc = typename Config::TiledMmaO{}.get_thread_slice(tid - 128).partition_C(
+        make_identity_tensor(Shape<typename Config::BlockM, typename Config::HeadDim>{}));
+    Tensor sc_rc = make_tensor(sc.data(), RowColLayout(sc.layout()));
+    if constexpr (Config::kTmaStoreOut) {
+      if (consumer_tid % 128 == 0) tma_store_wait<0>();  // the previous tile's store has read the half
+      NamedBarrierSync(kFwdBarrierOut + wg, 128);
+    }
     const bool has_sink = args.sink_logits != nullptr;
     const float sink = has_sink ? args.sink_logits[tile.head] : -INFINITY;
     CUTE_UNROLL
     for (int r = 0; r < size<0>(o); ++r) {
-      const int i = m0 + get<0>(oc(r, 0));
+      const int row_in_tile = get<0>(oc(r, 0));
+      const int i = m0 + row_in_tile;
       if (i >= args.q_len) continue;
       const float sum = softmax.row_sum[r];
       const bool empty = i >= mask.q_valid || sum == 0.0f;
@@ -106,7 +131,28 @@ struct Epilogue {
         pair[0] = empty ? 0.0f : o(r, c) * inv;
         pair[1] = empty ? 0.0f : o(r, c + 1) * inv;
         const int col = get<1>(oc(r, c));
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(row + col) = convert(pair);
+        Element* dst = row + col;
+        if constexpr (Config::kTmaStoreOut) {
+          // Through a tensor: the smem pointer applies the 128-byte swizzle (the layout's own
+          // function, smem_ptr_flag in place of the address, leaves it out).
+          Tensor sO = make_tensor(make_smem_ptr(staged), typename Config::SmemLayoutOHalf{});
+          dst = &sO(get<0>(sc_rc(r, c)) - wg * kRowsPerWarpgroup, get<1>(sc_rc(r, c)));
+        }
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(dst) = convert(pair);
+      }
+    }
+    if constexpr (Config::kTmaStoreOut) {
+      tma_store_fence();  // the staged rows are visible to the TMA unit
+      NamedBarrierSync(kFwdBarrierOut + wg, 128);
+      if (consumer_tid % 128 == 0) {
+        Tensor mO = tma_o.get_tma_tensor(make_shape(args.q_len, int32_t{Config::kHeadDim}, args.heads, args.batch));
+        Tensor gO = local_tile(mO(_, _, tile.head, tile.batch),
+                               Shape<typename Config::WarpgroupRows, typename Config::HeadDim>{},
+                               make_coord(tile.m_block * Config::kConsumerWarpgroups + wg, _0{}));
+        Tensor sO = make_tensor(make_smem_ptr(staged), typename Config::SmemLayoutOHalf{});
+        auto cta_tma = tma_o.get_slice(0);
+        copy(tma_o, cta_tma.partition_S(sO), cta_tma.partition_D(gO));
+        tma_store_arrive();
       }
     }
   }

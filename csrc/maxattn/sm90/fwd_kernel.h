@@ -35,6 +35,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    if constexpr (Config::kTmaStoreOut) cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
   }
 
   typename Pipeline::Params pipe_params;
@@ -102,8 +103,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
       int n_lo = 0, n_hi = 0;
       mask.template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, &n_lo, &n_hi);
       ConsumerMainloop<Config>::template Run<Config::kTileLoop, Config::kSoftcap>(
-          p.args, smem, pipe_k, pipe_v, tile, mask, n_lo, n_hi, static_cast<int>(threadIdx.x) - 128, state_k,
-          state_v, q_loads & 1);
+          p.args, p.tma_o, smem, pipe_k, pipe_v, tile, mask, n_lo, n_hi, static_cast<int>(threadIdx.x) - 128,
+          state_k, state_v, q_loads & 1);
       if (n_lo < n_hi) ++q_loads;
     };
     if constexpr (Config::kPersistentGrid) {
@@ -115,6 +116,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
         ++tile_state;
         if (index >= p.args.num_tiles) break;
         consume(index);
+      }
+      // The last out stores have read shared memory before the CTA exits.
+      if constexpr (Config::kTmaStoreOut) {
+        if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
       }
     } else {
       consume(0);
@@ -143,6 +148,14 @@ Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const vo
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(v, args.kv_len, args.kv_heads, args.batch),
                           take<0, 2>(typename Config::SmemLayoutV{}),
                           Shape<typename Config::BlockN, typename Config::HeadDim>{}, _1{});
+  if constexpr (Config::kTmaStoreOut) {
+    const int64_t row = static_cast<int64_t>(args.heads) * kHeadDim;
+    auto out = make_tensor(make_gmem_ptr(static_cast<Element*>(args.out)),
+                           make_layout(make_shape(args.q_len, int32_t{kHeadDim}, args.heads, args.batch),
+                                       make_stride(row, _1{}, int64_t{kHeadDim}, row * args.q_len)));
+    p.tma_o = make_tma_copy(SM90_TMA_STORE{}, out, typename Config::SmemLayoutOHalf{},
+                            Shape<typename Config::WarpgroupRows, typename Config::HeadDim>{}, _1{});
+  }
   p.args = args;
   if constexpr (Config::kPersistentGrid) {
     p.args.section_heads = PersistentLongestFirstScheduler::SectionHeads(args, kHeadDim, sizeof(Element));

@@ -55,6 +55,12 @@ using GmemLayout = cute::Layout<cute::Shape<int32_t, int32_t, int32_t, int32_t>,
 template <class Element>
 using GmemTensorOf =
     decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}));
+template <class Element>
+using GmemOutTensorOf = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayout{}));
+
+// Named barriers of the forward (barrier.h): the ping-pong turns 2 + w, the out staging of
+// consumer warpgroup w kFwdBarrierOut + w.
+constexpr int kFwdBarrierOut = 4;
 
 // kSoftcap_: the logit soft cap's softmax (softmax.h). Its own instance, so
 // that the plain kernel keeps its registers (one kernel with both loops
@@ -107,6 +113,14 @@ struct FwdConfig {
       SmemLayoutV{}, cute::make_ordered_layout(cute::Shape<HeadDim, BlockN, Stages>{},
                                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
+  // Persistent grids stage the normalised O in shared memory and store it by TMA, one 64-row
+  // half per consumer warpgroup (epilogue.h); the others store from registers.
+  static constexpr bool kTmaStoreOut = kPersistentGrid;
+  using WarpgroupRows = cute::Int<kBlockM / kConsumerWarpgroups>;
+  using SmemLayoutOHalf = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<WarpgroupRows, HeadDim>{}));
+  static constexpr int kSmemOHalfElems = cute::cosize_v<SmemLayoutOHalf>;
+  static constexpr int kSmemOElems = kTmaStoreOut ? kConsumerWarpgroups * kSmemOHalfElems : 8;
+
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
@@ -120,6 +134,7 @@ struct FwdConfig {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>> v;
+    alignas(1024) cute::array_aligned<Element, kSmemOElems> o;
     alignas(16) typename Pipeline::SharedStorage pipe_k;
     alignas(16) typename Pipeline::SharedStorage pipe_v;
     alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_q;
@@ -136,6 +151,8 @@ struct FwdConfig {
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
                                              cute::take<0, 2>(SmemLayoutK{}),
                                              cute::Shape<BlockN, HeadDim>{}, cute::_1{}));
+  using TmaO = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemOutTensorOf<Element>{}, SmemLayoutOHalf{},
+                                            cute::Shape<WarpgroupRows, HeadDim>{}, cute::_1{}));
 };
 
 // The problem every kernel of this backend (forward and backward) sees: sizes,
@@ -186,6 +203,7 @@ struct FwdParams {
   typename Config::TmaQ tma_q;
   typename Config::TmaKV tma_k;
   typename Config::TmaKV tma_v;
+  typename Config::TmaO tma_o;  // set when Config::kTmaStoreOut
   FwdArgs args;
 };
 

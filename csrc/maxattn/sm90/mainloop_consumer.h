@@ -43,7 +43,8 @@ struct ConsumerMainloop {
   // state_k / state_v: the consumer read positions in the K and V pipelines,
   // carried from tile to tile by a persistent CTA. q_phase: parity of the Q
   // barrier for this tile (the count of earlier tiles that loaded Q).
-  __device__ static void Run(const FwdArgs& args, SharedStorage& smem, Pipeline& pipe_k, Pipeline& pipe_v,
+  __device__ static void Run(const FwdArgs& args, const typename Config::TmaO& tma_o, SharedStorage& smem,
+                             Pipeline& pipe_k, Pipeline& pipe_v,
                              const Tile& tile, const BlockMask& mask, int n_lo, int n_hi, int consumer_tid,
                              PipelineState& state_k, PipelineState& state_v, int q_phase) {
     using namespace cute;
@@ -189,7 +190,7 @@ struct ConsumerMainloop {
     }
     if (!max_logit_done) Epilogue<Config>::MaxLogit(args, tile, mask, softmax, oc_rc, consumer_tid);
     softmax.Finalize();
-    Epilogue<Config>::Store(args, tile, mask, softmax, o_rc, oc_rc, consumer_tid);
+    Epilogue<Config>::Store(args, tma_o, smem.o.data(), tile, mask, softmax, o_rc, oc_rc, consumer_tid);
   }
 };
 
