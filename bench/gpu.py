@@ -12,8 +12,8 @@ For each (B, T, N, K, H, causal) row it times, in the same process and the same 
   fa3 fwd      FlashAttention-3 (the flash-attn3-jax wheel's flash_mha), when it is importable
   fa3 fwd+bwd  the same, differentiated
 Then a features table at (4, 2048, 32, 32, 128) bf16 causal: forward and forward+backward of the
-baseline, dropout 0.1, learnable attention sinks (with and without max_logit) and packed sequences
-(4 equal segments per row), with the cost ratio to the baseline; a feature the backend refuses
+baseline, dropout 0.1, learnable attention sinks (with and without max_logit), packed sequences
+(4 equal segments per row) and a logit soft cap of 50 (with and without max_logit), with the cost ratio to the baseline; a feature the backend refuses
 shows the reason instead of a time.
 
 Timing: one sample = `--calls` jitted calls back to back and one block_until_ready at the end
@@ -302,6 +302,8 @@ def _feature_specs(B, T, N, rng):
         ("learnable sinks + max_logit", (sinks,), lambda s: dict(softmax_type="learnable", sink_logits=s),
          True, True),
         ("packed, 4 segments", (seg,), lambda s: dict(q_segment_ids=s, kv_segment_ids=s), False, False),
+        ("soft cap 50", (), lambda: dict(logits_soft_cap=50.0), False, False),
+        ("soft cap 50 + max_logit", (), lambda: dict(logits_soft_cap=50.0), True, False),
     ]
 
 

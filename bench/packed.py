@@ -5,8 +5,8 @@ interleaved run (bench/gpu.py's timing: jitted calls, median of the repetitions)
   * ``ragged``: maxattn with segment ids and ``max_segments_per_row=D`` (cuDNN ragged sequences);
   * ``dense``: maxattn with the same segment ids and no bound -- only up to T = 8192. On ``cudnn``
     that is a dense [B, 1, T, T] bias; with ``--impl sm90`` it is the kernel's own segment-id path
-    (cross-document tiles skipped, no bias; its backward is cuDNN's dense-bias one), and ``ragged``
-    is refused there (the sm90 backend takes no bound);
+    (cross-document tiles skipped, no bias, in the forward and, at head dims 64 and 128, in the
+    backward), and ``ragged`` is refused there (the sm90 backend takes no bound);
   * ``unpacked``: maxattn on the same work as (B * D, T / D) rows, no segment ids;
   * ``fa3 varlen``: flash-attn3-jax ``flash_mha_varlen`` on the same packing (when installed).
 Forward with max_logit and lse (what QK-Clip training reads), and forward+backward. Also the peak
