@@ -46,7 +46,8 @@ def source_page(report: str) -> tuple[list[dict[str, str]], str]:
 def details(report: str) -> list[str]:
     wanted = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "L2 Cache Throughput",
               "DRAM Throughput", "Registers Per Thread", "Issued Warp Per Scheduler", "Achieved Occupancy",
-              "Dynamic Shared Memory Per Block")
+              "Dynamic Shared Memory Per Block", "Executed Ipc Active", "Issue Slots Busy", "SM Busy",
+              "L2 Hit Rate", "Elapsed Cycles")
     try:
         res = run(["ncu", "-i", report, "--page", "details", "--csv"])
     except OSError as e:
