@@ -18,11 +18,13 @@ launch and dispatch cost. With --bwd the variants are instead the gradient of
 <out, ct> with respect to q, k and v (forward with lse, then backward):
 "fwd+bwd" on --impl, "cudnn fwd+bwd" on implementation="cudnn", with
 --deterministic also "det fwd+bwd" (--impl with deterministic_backward=True)
-and, with --fa3, "fa3 fwd+bwd" (flash_mha differentiated).
+and, with --fa3, "fa3 fwd+bwd" (flash_mha differentiated). `--variants` picks
+a subset by name; it can also name the soft-cap variants, which no default
+includes: "fwd+cap50" and "cap50 fwd+bwd" (--impl with logits_soft_cap=50).
 
 Usage (on the GPU machine):
     python bench/gpu_kernels.py [--impl cudnn|sm90] [--calls 5] [--shapes 0,1] [--fa3] [--bwd [--deterministic]]
-                                [--json out.json]
+                                [--variants fwd,fwd+cap50,...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ import sys
 
 import ncu_time
 
-VARIANTS = {  # name: (return_lse, return_max_logit)
-    "fwd": (False, False),
-    "fwd+max": (False, True),
-    "fwd+lse": (True, False),
-    "fwd+lse+max": (True, True),
+VARIANTS = {  # name: (return_lse, return_max_logit, logits_soft_cap)
+    "fwd": (False, False, None),
+    "fwd+max": (False, True, None),
+    "fwd+lse": (True, False, None),
+    "fwd+lse+max": (True, True, None),
+    "fwd+cap50": (False, False, 50.0),
 }
+BWD_VARIANTS = ("fwd+bwd", "cudnn fwd+bwd", "det fwd+bwd", "cap50 fwd+bwd", "fa3 fwd+bwd")
 # The first three keep their indices (tools/gpu_check.sh's KERNEL_SHAPES); the rest are bench/gpu.py's rows.
 SHAPES = [(4, 2048, 32, 32, 128, True), (8, 2048, 16, 16, 64, True), (2, 8192, 16, 16, 128, True),
           (4, 2048, 32, 32, 128, False), (4, 4096, 32, 8, 128, True)]
@@ -64,8 +68,9 @@ def _child(variant: str, shape_index: int, calls: int, impl: str) -> None:
         else:
             backend = "cudnn" if variant.startswith("cudnn") else impl
             det = variant.startswith("det")
+            cap = 50.0 if variant.startswith("cap50") else None
             attn = lambda q, k, v: maxattn.dot_product_attention(q, k, v, is_causal=causal, implementation=backend,
-                                                                 deterministic_backward=det)
+                                                                 deterministic_backward=det, logits_soft_cap=cap)
         grad = jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * ct), argnums=(0, 1, 2))
         fn = jax.jit(grad)
     elif variant == "fa3":
@@ -75,12 +80,12 @@ def _child(variant: str, shape_index: int, calls: int, impl: str) -> None:
         def fn(q, k, v):
             return flash_mha(q, k, v, softmax_scale=H ** -0.5, is_causal=causal)
     else:
-        want_lse, want_max = VARIANTS[variant]
+        want_lse, want_max, cap = VARIANTS[variant]
 
         @jax.jit
         def fn(q, k, v):
             return maxattn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl,
-                                                 return_lse=want_lse, return_max_logit=want_max)
+                                                 return_lse=want_lse, return_max_logit=want_max, logits_soft_cap=cap)
 
     for _ in range(3):
         jax.block_until_ready(fn(q, k, v))
@@ -140,14 +145,16 @@ def main() -> None:
     if args.bwd:
         variants = (["fwd+bwd", "cudnn fwd+bwd"] + (["det fwd+bwd"] if args.deterministic else []) +
                     (["fa3 fwd+bwd"] if args.fa3 else []))
+        known = list(BWD_VARIANTS)
     else:
-        variants = list(VARIANTS) + (["fa3"] if args.fa3 else [])
+        variants = [v for v in VARIANTS if v != "fwd+cap50"] + (["fa3"] if args.fa3 else [])
+        known = list(VARIANTS) + ["fa3"]
     if args.variants:
         wanted = args.variants.split(",")
-        unknown = sorted(set(wanted) - set(variants))
+        unknown = sorted(set(wanted) - set(known))
         if unknown:
-            parser.error(f"--variants: {unknown} not among this mode's variants {variants}")
-        variants = [v for v in variants if v in wanted]
+            parser.error(f"--variants: {unknown} not among this mode's variants {known}")
+        variants = [v for v in known if v in wanted]
     print(f"# impl {args.impl}; device time per call (ncu --clock-control none, {args.calls} calls)")
     cols = ("vs fwd+bwd", "vs cudnn fwd+bwd") if args.bwd else ("vs fwd", "vs fwd+lse")
     print("| B | T | N | K | H | causal | variant | GPU µs/call | attention µs | maxattn µs | XLA µs | kernels/call "
