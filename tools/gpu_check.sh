@@ -55,6 +55,9 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
   $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())" || true
   "$CUDACXX" --version | tail -1 || true
   git rev-parse --short HEAD 2>/dev/null || echo "commit: (uncommitted tree)"
+  # The device machine's copy of .git may name another commit than the tree it got: a digest of the
+  # sources themselves identifies the tree (the same command here gives the local tree's).
+  echo "source digest: $(tools/source_digest.sh)"
 } 2>&1 | tee "$OUT/env.log"
 
 if has harness; then
