@@ -13,8 +13,8 @@ For each (B, T, N, K, H, causal) row it times, in the same process and the same 
   fa3 fwd+bwd  the same, differentiated
 Then a features table at (4, 2048, 32, 32, 128) bf16 causal: forward and forward+backward of the
 baseline, dropout 0.1, learnable attention sinks (with and without max_logit), packed sequences
-(4 equal segments per row) and a logit soft cap of 50 (with and without max_logit), with the cost ratio to the baseline; a feature the backend refuses
-shows the reason instead of a time.
+(4 equal segments per row) and a logit soft cap of 50 (with and without max_logit), with the cost
+ratio to the baseline; a feature the backend refuses shows the reason instead of a time.
 
 Timing: one sample = `--calls` jitted calls back to back and one block_until_ready at the end
 (time / calls). Every repetition runs every variant once; variants are interleaved (the group

@@ -147,7 +147,7 @@ def main() -> None:
                     (["fa3 fwd+bwd"] if args.fa3 else []))
         known = list(BWD_VARIANTS)
     else:
-        variants = [v for v in VARIANTS if v != "fwd+cap50"] + (["fa3"] if args.fa3 else [])
+        variants = [v for v, (_, _, cap) in VARIANTS.items() if cap is None] + (["fa3"] if args.fa3 else [])
         known = list(VARIANTS) + ["fa3"]
     if args.variants:
         wanted = args.variants.split(",")

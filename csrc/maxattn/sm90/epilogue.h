@@ -84,12 +84,13 @@ struct Epilogue {
     const int lane = consumer_tid % 32;
     const int wg = consumer_tid / 128;
     Element* out = static_cast<Element*>(args.out);
-    Element* staged = smem_o + wg * Config::kSmemOHalfElems;
+    Tensor sO = make_tensor(make_smem_ptr(smem_o + wg * Config::kSmemOHalfElems),
+                            typename Config::SmemLayoutOHalf{});
     // The staging coordinates again, from the thread index read anew: derived from oc, the compiler
     // computed their swizzled offsets before the main loop and kept them (16 registers) in local
     // memory across it.
-    int tid;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    int tid = 0;
+    if constexpr (Config::kTmaStoreOut) asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
     Tensor sc = typename Config::TiledMmaO{}.get_thread_slice(tid - 128).partition_C(
         make_identity_tensor(Shape<typename Config::BlockM, typename Config::HeadDim>{}));
     Tensor sc_rc = make_tensor(sc.data(), RowColLayout(sc.layout()));
@@ -101,8 +102,7 @@ struct Epilogue {
     const float sink = has_sink ? args.sink_logits[tile.head] : -INFINITY;
     CUTE_UNROLL
     for (int r = 0; r < size<0>(o); ++r) {
-      const int row_in_tile = get<0>(oc(r, 0));
-      const int i = m0 + row_in_tile;
+      const int i = m0 + get<0>(oc(r, 0));
       if (i >= args.q_len) continue;
       const float sum = softmax.row_sum[r];
       const bool empty = i >= mask.q_valid || sum == 0.0f;
@@ -133,9 +133,8 @@ struct Epilogue {
         const int col = get<1>(oc(r, c));
         Element* dst = row + col;
         if constexpr (Config::kTmaStoreOut) {
-          // Through a tensor: the smem pointer applies the 128-byte swizzle (the layout's own
+          // Through the tensor: the smem pointer applies the 128-byte swizzle (the layout's own
           // function, smem_ptr_flag in place of the address, leaves it out).
-          Tensor sO = make_tensor(make_smem_ptr(staged), typename Config::SmemLayoutOHalf{});
           dst = &sO(get<0>(sc_rc(r, c)) - wg * kRowsPerWarpgroup, get<1>(sc_rc(r, c)));
         }
         *reinterpret_cast<cutlass::Array<Element, 2>*>(dst) = convert(pair);
@@ -149,7 +148,6 @@ struct Epilogue {
         Tensor gO = local_tile(mO(_, _, tile.head, tile.batch),
                                Shape<typename Config::WarpgroupRows, typename Config::HeadDim>{},
                                make_coord(tile.m_block * Config::kConsumerWarpgroups + wg, _0{}));
-        Tensor sO = make_tensor(make_smem_ptr(staged), typename Config::SmemLayoutOHalf{});
         auto cta_tma = tma_o.get_slice(0);
         copy(tma_o, cta_tma.partition_S(sO), cta_tma.partition_D(gO));
         tma_store_arrive();
