@@ -251,22 +251,22 @@ def test_bad_input_raises_at_trace_time(name, mutate, exc, match):
 
 
 def test_auto_mode_order_and_fallback(monkeypatch):
-    """implementation=None: the platform's backends in order (cudnn, then sm90 on a GPU), the first that
+    """implementation=None: the platform's backends in order (sm90, then cudnn on a GPU), the first that
     can run the call; when none can, "xla" with one warning naming every backend's reason."""
     from maxattn._src import api, backends
 
     assert backends.auto_order("cpu") == ("cpu",)
-    assert backends.auto_order("gpu") == ("cudnn", "sm90") == backends.auto_order("cuda")
+    assert backends.auto_order("gpu") == ("sm90", "cudnn") == backends.auto_order("cuda")
     assert backends.auto_order("tpu") == ()
     monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
     refusals = {}
     monkeypatch.setattr(backends, "unsupported_reason", lambda name, call: refusals.get(name))
-    assert api._choose_backend(None, call=None) == "cudnn"
-    refusals["cudnn"] = "no soft cap (test)"
     assert api._choose_backend(None, call=None) == "sm90"
     refusals["sm90"] = "not a Hopper GPU (test)"
-    with pytest.warns(RuntimeWarning, match=r'from "cudnn" and "sm90" to "xla".*"cudnn": no soft cap \(test\); '
-                                            r'"sm90": not a Hopper GPU \(test\)'):
+    assert api._choose_backend(None, call=None) == "cudnn"
+    refusals["cudnn"] = "no soft cap (test)"
+    with pytest.warns(RuntimeWarning, match=r'from "sm90" and "cudnn" to "xla".*"sm90": not a Hopper GPU \(test\); '
+                                            r'"cudnn": no soft cap \(test\)'):
         assert api._choose_backend(None, call=None) is None
     monkeypatch.setattr(api.jax, "default_backend", lambda: "tpu")
     assert api._choose_backend(None, call=None) is None  # no fused backend there: xla, no warning

@@ -209,16 +209,22 @@ def test_unsupported_configurations_raise_with_reason(kwargs, dtype, needle):
         maxattn.dot_product_attention(q, k, v, implementation="cudnn", **kwargs)
 
 
-def test_auto_uses_cudnn_on_gpu_and_falls_back_with_warning():
+def test_auto_prefers_sm90_then_cudnn_and_falls_back_with_warning():
     q, k, v = random_inputs(2, 1, 64, 64, 2, 2, 64, 64, jnp.bfloat16)
     # A soft cap (no cuDNN) with a bias (not on sm90): neither fused GPU backend runs it, and the
     # one warning names both refusals.
     bias = jnp.zeros((1, 2, 64, 64), jnp.bfloat16)
-    with pytest.warns(RuntimeWarning, match='falling back from "cudnn" and "sm90" to "xla".*"sm90": .*bias'):
+    with pytest.warns(RuntimeWarning, match='falling back from "sm90" and "cudnn" to "xla".*"sm90": .*bias'):
         maxattn.dot_product_attention(q, k, v, bias, is_causal=True, logits_soft_cap=20.0)
+    # What both run goes to sm90, bit for bit the explicit call; a bias (sm90 refuses it) goes to cuDNN.
     out = maxattn.dot_product_attention(q, k, v, is_causal=True)
-    ref = _cudnn(q, k, v, None, is_causal=True)
+    ref = maxattn.dot_product_attention(q, k, v, is_causal=True, implementation="sm90")
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to xla would warn
+        out = maxattn.dot_product_attention(q, k, v, bias, is_causal=True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(_cudnn(q, k, v, bias, is_causal=True),
+                                                                          np.float32))
 
 
 @pytest.mark.parametrize("kwargs, needle", [
@@ -233,9 +239,12 @@ def test_sm90_names_what_it_cannot_run(kwargs, needle):
         kwargs["dropout_rng"] = jax.random.key(0)
     with pytest.raises(ValueError, match=f'implementation="sm90" cannot run this call: .*{needle}'):
         maxattn.dot_product_attention(q, k, v, bias, implementation="sm90", **kwargs)
-    # Auto mode keeps cuDNN where both run (the sm90 forward is not yet the faster one).
-    hlo = jax.jit(lambda q, k, v: maxattn.dot_product_attention(q, k, v)).lower(q, k, v).as_text()
+    # Auto mode takes sm90 where it runs and cuDNN for what it refuses.
+    auto = jax.jit(lambda q, k, v, bias: maxattn.dot_product_attention(q, k, v, bias, **kwargs))
+    hlo = auto.lower(q, k, v, bias).as_text()
     assert "maxattn_attention_fwd_cuda" in hlo and "maxattn_attention_fwd_sm90" not in hlo
+    hlo = jax.jit(lambda q, k, v: maxattn.dot_product_attention(q, k, v)).lower(q, k, v).as_text()
+    assert "maxattn_attention_fwd_sm90" in hlo and "maxattn_attention_fwd_cuda" not in hlo
 
 
 def test_auto_mode_runs_soft_cap_on_sm90():

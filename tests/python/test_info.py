@@ -17,7 +17,7 @@ def test_show_config_reports_versions_and_backends():
     text = buf.getvalue()
     assert text.splitlines()[0].split() == ["maxattn", maxattn.__version__]
     assert f"jax / jaxlib            {jax.__version__}" in text
-    for name in ("cpu", "cudnn", "xla"):
+    for name in ("cpu", "cudnn", "sm90", "xla"):
         assert f"  {name:<8}built:" in text
     assert "cpu     built: yes, available: yes" in text   # the test install has the CPU module
     assert "xla     built: yes, available: yes" in text
@@ -57,7 +57,8 @@ def test_cpu_import_failure_is_reported(monkeypatch):
 
 def test_default_implementation_on_this_machine():
     cfg = info.collect()
-    expected = "cudnn" if cfg["gpus"] and cfg["backends"]["cudnn"]["available"] else "cpu"
+    fused = ("sm90", "cudnn") if cfg["gpus"] else ("cpu",)
+    expected = next((n for n in fused if cfg["backends"][n]["available"]), "xla")
     assert cfg["default_implementation"] == expected
 
 

@@ -119,6 +119,16 @@ def _cuda_backend(build: dict) -> dict:
     return entry
 
 
+def _sm90_backend(cuda: dict) -> dict:
+    """Our Hopper kernels live in the CUDA module: built with it when the CUTLASS headers were found,
+    available on a compute capability 9.0 GPU."""
+    if not cuda["available"]:
+        return {"built": cuda["built"], "available": False, "reason": cuda["reason"]}
+    from maxattn._src.backends import sm90
+    reason = sm90.availability_reason()
+    return {"built": reason != sm90.NOT_BUILT, "available": reason is None, "reason": reason}
+
+
 def collect() -> dict:
     """Everything :func:`show_config` prints, as a dict (for bug reports and tests)."""
     import jax
@@ -129,6 +139,7 @@ def collect() -> dict:
     build = _build_info()
     devices = jax.devices()
     gpus = _jax_devices("gpu")
+    cuda = _cuda_backend(build)
     info: dict[str, Any] = {
         "maxattn": getattr(maxattn, "__version__", None) or _dist_version("maxattn"),
         "python": platform.python_version(),
@@ -144,14 +155,15 @@ def collect() -> dict:
         "build": build,
         "backends": {
             "cpu": _cpu_backend(),
-            "cudnn": _cuda_backend(build),
+            "cudnn": cuda,
+            "sm90": _sm90_backend(cuda),
             "xla": {"built": True, "available": True, "reason": None},
         },
     }
-    default = "cudnn" if gpus else "cpu"
-    if not info["backends"][default]["available"]:
-        default = "xla"
-    info["default_implementation"] = default
+    # What implementation=None takes for a call every fused backend runs (backends/__init__.py's order).
+    from maxattn._src import backends
+    order = backends.auto_order(jax.default_backend())
+    info["default_implementation"] = next((n for n in order if info["backends"][n]["available"]), "xla")
     return info
 
 

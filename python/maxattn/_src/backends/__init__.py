@@ -17,12 +17,13 @@ _MODULES = {
     "cudnn": "maxattn._src.backends.cudnn",
     "sm90": "maxattn._src.backends.sm90",
 }
-# The fused backends `implementation=None` tries on each JAX platform, in order. On a GPU cuDNN
-# comes first: at head dims 64 and 128 its forward is as fast as sm90's or faster on the H200
-# (bench/RESULTS.md). sm90 takes what cuDNN refuses (the soft cap), which would otherwise fall
-# back to "xla" and materialise the T x S logits; its own refusals (not a Hopper GPU, a bias,
-# ...) are then part of the fallback warning.
-_AUTO = {"cpu": ("cpu",), "gpu": ("cudnn", "sm90"), "cuda": ("cudnn", "sm90")}
+# The fused backends `implementation=None` tries on each JAX platform, in order. On a GPU our own
+# Hopper kernels come first: by device time they match cuDNN's forward and forward+backward at head
+# dim 128, beat FlashAttention-3's forward at 64, reduce max_logit inside the kernel (cuDNN needs a
+# second kernel) and run soft caps and segment ids without a dense bias (bench/RESULTS.md). cuDNN
+# runs what sm90 refuses (a GPU other than Hopper, a bias or mask, dropout, unequal head dims), and
+# both refusals are then part of the fallback warning.
+_AUTO = {"cpu": ("cpu",), "gpu": ("sm90", "cudnn"), "cuda": ("sm90", "cudnn")}
 
 
 def names() -> tuple[str, ...]:

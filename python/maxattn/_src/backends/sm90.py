@@ -18,7 +18,7 @@ exact, but it materialises the [B, N, T, S] logits). Our kernels are exact
 for any segment ids and ignore `max_segments_per_row`; at head dim 256 that
 bound is refused, because cuDNN's ragged backward would poison the rows
 that break it while the sm90 forward is exact on them. `implementation=None`
-tries sm90 after cuDNN (backends/__init__.py).
+tries sm90 first on a GPU, then cuDNN (backends/__init__.py).
 """
 
 from __future__ import annotations
@@ -43,17 +43,29 @@ def _compute_capability() -> Optional[str]:
         return None
 
 
-def _kernel_reason(call: Call, backward: bool) -> Optional[str]:
-    """Why our forward (or backward) kernels cannot run `call`, or None."""
+NOT_BUILT = ("the CUDA extension module was built without the sm90 kernels (no CUTLASS headers at build "
+             "time: pip install nvidia-cutlass==4.2.0.0 and rebuild)")
+
+
+def availability_reason() -> Optional[str]:
+    """Why the sm90 kernels cannot run any call on this machine (no module, not built, not Hopper), or None."""
     mod, reason = cudnn.module()
     if reason is not None:
         return reason
     if not hasattr(mod, "sm90_unsupported_reason"):
-        return ("the CUDA extension module was built without the sm90 kernels (no CUTLASS headers at build "
-                "time: pip install nvidia-cutlass==4.2.0.0 and rebuild)")
+        return NOT_BUILT
     cc = _compute_capability()
     if cc != "9.0":
         return f"the sm90 kernels need a compute capability 9.0 GPU (Hopper), found {cc}"
+    return None
+
+
+def _kernel_reason(call: Call, backward: bool) -> Optional[str]:
+    """Why our forward (or backward) kernels cannot run `call`, or None."""
+    reason = availability_reason()
+    if reason is not None:
+        return reason
+    mod, _ = cudnn.module()
     ops = call.operands
     attrs = {k: v.item() if hasattr(v, "item") else v for k, v in call.options.ffi_attributes().items()}
     return mod.sm90_unsupported_reason(
