@@ -95,6 +95,22 @@ struct ConsumerMainloop {
       smem.barrier_q.wait(static_cast<uint32_t>(q_phase));
       cutlass::NumericArrayConverter<Element, float, 2> convert;
       float correction[kRows];
+      // Mask (boundary tiles only) and softmax of the block at key n0. The soft-capped softmax
+      // has a select that only masked tiles need, so it comes in two instances; the plain one
+      // has none and one instance.
+      auto mask_and_update = [&](bool need_mask, int n0) {
+        if constexpr (kSoftcap) {
+          if (need_mask) {
+            mask.template Apply<kBlockN>(args, s_rc, sc_rc, m0, n0);
+            softmax.template Update<true>(s_rc, correction);
+          } else {
+            softmax.template Update<false>(s_rc, correction);
+          }
+        } else {
+          if (need_mask) mask.template Apply<kBlockN>(args, s_rc, sc_rc, m0, n0);
+          softmax.template Update<false>(s_rc, correction);
+        }
+      };
       if constexpr (kVariant == kPlain) {
         // Plain order: S, softmax, PV, one block at a time.
         for (int nb = n_hi - 1; nb >= n_lo; --nb) {
@@ -104,10 +120,7 @@ struct ConsumerMainloop {
           warpgroup_fence_operand(tSrS);
           pipe_k.consumer_release(state_k);
           const int n0 = nb * kBlockN;
-          if (mask.template TileNeedsMask<kBlockM, kBlockN>(args, m0, n0)) {
-            mask.template Apply<kBlockN>(args, s_rc, sc_rc, m0, n0);
-          }
-          softmax.Update(s_rc, correction);
+          mask_and_update(mask.template TileNeedsMask<kBlockM, kBlockN>(args, m0, n0), n0);
           softmax.Rescale(o_rc, correction);
           ConvertP(tSrS, tOrP, convert);
           pipe_v.consumer_wait(state_v);
@@ -145,8 +158,7 @@ struct ConsumerMainloop {
         warpgroup_fence_operand(tSrS);
         pipe_k.consumer_release(state_k);
         ++state_k;
-        if (need_mask) mask.template Apply<kBlockN>(args, s_rc, sc_rc, m0, nb * kBlockN);
-        softmax.Update(s_rc, correction);
+        mask_and_update(need_mask, nb * kBlockN);
         ConvertP(tSrS, tOrP, convert);
         for (nb = n_hi - 2; nb >= n_lo; --nb) {
           pipe_k.consumer_wait(state_k);
@@ -161,8 +173,7 @@ struct ConsumerMainloop {
           warpgroup_fence_operand(tSrS);
           pipe_k.consumer_release(state_k);
           ++state_k;
-          if (need_mask) mask.template Apply<kBlockN>(args, s_rc, sc_rc, m0, n0);
-          softmax.Update(s_rc, correction);
+          mask_and_update(need_mask, n0);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
           warpgroup_fence_operand(tOrP);

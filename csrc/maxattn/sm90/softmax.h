@@ -13,9 +13,11 @@
 // With a logit soft cap (kSoftcap) the logit of raw q.k = x is
 // cap * tanh(x * scale / cap); tanh is increasing, so the capped row maximum is
 // the cap of the raw one and the running maximum stays raw (max_logit is
-// pre-cap). Each entry costs one more MUFU (tanh.approx) and a select that
-// keeps masked entries (-inf, whose tanh is -1) at probability 0. The
-// epilogue's lse adds back exactly the offset used here (LogitOfMax).
+// pre-cap). Each entry costs one more MUFU (tanh.approx); in a tile that went
+// through the mask also a select that keeps masked entries (-inf, whose tanh
+// is -1) at probability 0. Elsewhere no entry is -inf but by an infinite
+// input, whose capped logit is -cap, as the reference has it. The epilogue's
+// lse adds back exactly the offset used here (LogitOfMax).
 #ifndef MAXATTN_SM90_SOFTMAX_H_
 #define MAXATTN_SM90_SOFTMAX_H_
 
@@ -124,7 +126,8 @@ struct OnlineSoftmax {
   // s: (rows, cols) raw logits of one tile, replaced by unnormalised
   // probabilities. Returns in `correction` the factor by which the output
   // accumulator must be rescaled for the new row maxima (see Rescale).
-  template <class TensorS>
+  // kMasked: the tile went through the mask (only the soft cap reads it).
+  template <bool kMasked, class TensorS>
   __device__ void Update(TensorS& s, float (&correction)[kRows]) {
     using namespace cute;
     static_assert(decltype(size<0>(s))::value == kRows);
@@ -146,7 +149,7 @@ struct OnlineSoftmax {
           const float x = s(r, c);
           const float y = fmaf(TanhApprox(x * k.cap_in), k.cap_log2, -offset);
           const float p = poly ? Exp2Poly(y) : Exp2Approx(y);
-          s(r, c) = x == -INFINITY ? 0.0f : p;
+          s(r, c) = kMasked && x == -INFINITY ? 0.0f : p;
         } else {
           const float y = fmaf(s(r, c), k.scale_log2, -offset);
           s(r, c) = poly ? Exp2Poly(y) : Exp2Approx(y);
@@ -193,7 +196,9 @@ struct SoftmaxGrad {
   // and leaves in s what ScoreGrad multiplies (P, or P * (1 - t^2)).
   // kMasked: the tile went through the mask, so a -inf score gives P = 0 even
   // where the row's lse is NaN (a NaN query row must not reach the dV or dQ
-  // of keys it does not see; dK: docs/contract.md).
+  // of keys it does not see; dK: docs/contract.md), and under a soft cap
+  // (tanh(-inf) = -1) at all. Elsewhere a -inf score comes only from an
+  // infinite input, whose capped logit is -cap (the forward's choice too).
   template <bool kMasked, class TensorS, class TensorP, int kCols>
   __device__ __forceinline__ void Probabilities(TensorS& s, TensorP& p, const float (&lse2)[kCols]) const {
     using namespace cute;
@@ -207,7 +212,8 @@ struct SoftmaxGrad {
         float prob;
         if constexpr (kSoftcap) {
           const float t = TanhApprox(x * k.cap_in);
-          prob = x == -INFINITY ? 0.0f : Exp2Approx(fmaf(t, k.cap_log2, -lse2[c]));
+          prob = Exp2Approx(fmaf(t, k.cap_log2, -lse2[c]));
+          if constexpr (kMasked) prob = x == -INFINITY ? 0.0f : prob;
           s(r, c) = prob * fmaf(-t, t, 1.0f);
         } else {
           prob = Exp2Approx(fmaf(x, k.scale_log2, -lse2[c]));
