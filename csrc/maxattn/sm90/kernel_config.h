@@ -27,23 +27,33 @@ namespace maxattn::sm90 {
 // and the two consumer warpgroups take turns issuing their GEMMs),
 // kPersistent / kPersistentPingPong (kOverlap / kPingPong in a persistent CTA
 // that takes its tiles one after another from a global counter,
-// tile_scheduler.h). Instantiated: H=128 kSm90H128Variant, H=64 and H=256
+// tile_scheduler.h). Instantiated: H=128 kSm90H128Variant (kSm90H128SoftcapVariant
+// with a soft cap), H=64 and H=256
 // kOverlap (sm90_attention.cu). The others passed the harness for H=128 on the
 // H200 but were slower there, so they are not compiled (see NOTES.md).
 enum ConsumerVariant : int { kPlain = 0, kOverlap = 1, kPingPong = 2, kPersistent = 3, kPersistentPingPong = 4 };
 
 constexpr bool IsPersistent(int variant) { return variant == kPersistent || variant == kPersistentPingPong; }
 
-// The H=128 loop (the only head dim whose loop choice was measured to matter):
-// persistent overlap, fastest on every H=128 row of NOTES.md but the soft-capped
-// one; -DMAXATTN_SM90_H128_VARIANT=n overrides it for experiments.
+// The H=128 loops (the only head dim whose loop choice was measured to matter):
+// persistent overlap without a soft cap, fastest on every such row of NOTES.md;
+// persistent ping-pong with one, where the two MUFU ops per score entry make the
+// softmax longer than a warpgroup's GEMMs and the turns keep the tensor cores fed
+// (11% faster than overlap on an H100, NOTES.md). -DMAXATTN_SM90_H128_VARIANT=n and
+// -DMAXATTN_SM90_H128_SOFTCAP_VARIANT=n override them for experiments.
 #ifndef MAXATTN_SM90_H128_VARIANT
 #define MAXATTN_SM90_H128_VARIANT kPersistent
 #endif
+#ifndef MAXATTN_SM90_H128_SOFTCAP_VARIANT
+#define MAXATTN_SM90_H128_SOFTCAP_VARIANT kPersistentPingPong
+#endif
 constexpr int kSm90H128Variant = MAXATTN_SM90_H128_VARIANT;
+constexpr int kSm90H128SoftcapVariant = MAXATTN_SM90_H128_SOFTCAP_VARIANT;
 
-// Whether the kernel for a head dim takes its tiles from FwdArgs::tile_counter.
-constexpr bool UsesTileCounter(int head_dim) { return head_dim == 128 && IsPersistent(kSm90H128Variant); }
+// Whether a kernel for a head dim (with or without a soft cap) takes its tiles from FwdArgs::tile_counter.
+constexpr bool UsesTileCounter(int head_dim) {
+  return head_dim == 128 && (IsPersistent(kSm90H128Variant) || IsPersistent(kSm90H128SoftcapVariant));
+}
 
 // Keys per tile for a head dim (the host sizes the segment summaries with it).
 constexpr int KeyBlockSize(int head_dim) { return head_dim <= 128 ? 128 : 64; }

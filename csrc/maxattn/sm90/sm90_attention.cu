@@ -53,9 +53,11 @@ Status DispatchHeadDim(const AttentionShape& shape, const sm90::FwdArgs& args, c
     case 64:
       return bf16 ? LaunchForward<64, cutlass::bfloat16_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream)
                   : LaunchForward<64, cutlass::half_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream);
-    case 128:  // the fastest H=128 loop on the H200 (kernel_config.h, NOTES.md)
-      return bf16 ? LaunchForward<128, cutlass::bfloat16_t, sm90::kSm90H128Variant, kSoftcap>(args, q, k, v, stream)
-                  : LaunchForward<128, cutlass::half_t, sm90::kSm90H128Variant, kSoftcap>(args, q, k, v, stream);
+    case 128: {  // the fastest H=128 loops, without and with a soft cap (kernel_config.h, NOTES.md)
+      constexpr int kVariant = kSoftcap ? sm90::kSm90H128SoftcapVariant : sm90::kSm90H128Variant;
+      return bf16 ? LaunchForward<128, cutlass::bfloat16_t, kVariant, kSoftcap>(args, q, k, v, stream)
+                  : LaunchForward<128, cutlass::half_t, kVariant, kSoftcap>(args, q, k, v, stream);
+    }
     case 256:
       return bf16 ? LaunchForward<256, cutlass::bfloat16_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream)
                   : LaunchForward<256, cutlass::half_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream);
