@@ -45,7 +45,8 @@ VARIANTS = {  # name: (return_lse, return_max_logit, logits_soft_cap)
 BWD_VARIANTS = ("fwd+bwd", "cudnn fwd+bwd", "det fwd+bwd", "cap50 fwd+bwd", "fa3 fwd+bwd")
 # The first three keep their indices (tools/gpu_check.sh's KERNEL_SHAPES); the rest are bench/gpu.py's rows.
 SHAPES = [(4, 2048, 32, 32, 128, True), (8, 2048, 16, 16, 64, True), (2, 8192, 16, 16, 128, True),
-          (4, 2048, 32, 32, 128, False), (4, 4096, 32, 8, 128, True)]
+          (4, 2048, 32, 32, 128, False), (4, 4096, 32, 8, 128, True),
+          (4, 2048, 16, 16, 256, True)]  # head dim 256 (Gemma's): sm90's forward against cuDNN's
 
 
 def _child(variant: str, shape_index: int, calls: int, impl: str) -> None:

@@ -7,6 +7,7 @@
 #
 #   tools/compare_prebuilt.sh [PERF_ARGS...]     # e.g. --shape 0; REPS=3 by default
 #   HARNESSES="sm90_fwd_harness" tools/compare_prebuilt.sh   # only the forward ones
+#   NUMERICS=0 tools/compare_prebuilt.sh --shape 1           # timings only (numerics ran in an earlier call)
 #   SANITIZE="comb writer" tools/compare_prebuilt.sh          # then compute-sanitizer racecheck and
 #       synccheck (SAN_TOOLS) on the small cases of each harness (of HARNESSES) in every folder
 #       whose name starts with one of these words
@@ -28,6 +29,7 @@ for h in ${HARNESSES:-sm90_bwd_harness sm90_fwd_harness}; do
   for b in $bins; do
     name=$(basename "$b")
     echo "== $name: $(cut -c1-100 "$b/REVISION" 2>/dev/null)"
+    [ "${NUMERICS:-1}" = 1 ] || continue
     log=$(mktemp)
     timeout "${RUN_TIMEOUT:-120}" "$b/$h" --no-perf >"$log" 2>&1 || rc=1
     tail -1 "$log"; grep -iE "fail|mismatch" "$log" | head -5
