@@ -55,15 +55,17 @@ __device__ __forceinline__ float Exp2Poly(float x) {
 
 // How many of every 4 columns of a thread's score tile take Exp2Poly instead
 // of the MUFU exp2, without and with a soft cap (whose tanh is a second MUFU
-// op per entry). The defaults are the H200 optimum (NOTES.md, "exp2 on the FMA
-// pipe"): none without a cap (1 of 4 already costs 7-10%), 1 of 4 with one
-// (5-8% faster at H=128; 2 of 4 is slower again). Overridable with -D for
-// experiments.
+// op per entry). None by default (NOTES.md, "exp2 on the FMA pipe"): without a
+// cap 1 of 4 costs 7-10%; with one, 1 of 4 was the optimum of the overlap loop
+// (H200, 2026-12-04), but the persistent ping-pong loop that now runs capped
+// calls is best without it over the four H=128 rows (H100, 2026-12-06: 0, 1
+// and 2 of 4 within 3% of each other, 0 the fastest at T=8192 by 6%).
+// Overridable with -D for experiments.
 #ifndef MAXATTN_SM90_EXP2_POLY
 #define MAXATTN_SM90_EXP2_POLY 0
 #endif
 #ifndef MAXATTN_SM90_SOFTCAP_EXP2_POLY
-#define MAXATTN_SM90_SOFTCAP_EXP2_POLY 1
+#define MAXATTN_SM90_SOFTCAP_EXP2_POLY 0
 #endif
 
 __device__ __forceinline__ float QuadMax(float x) {
