@@ -251,22 +251,32 @@ def test_bad_input_raises_at_trace_time(name, mutate, exc, match):
 
 
 def test_auto_mode_order_and_fallback(monkeypatch):
-    """implementation=None: the platform's backends in order (sm90, then cudnn on a GPU), the first that
-    can run the call; when none can, "xla" with one warning naming every backend's reason."""
+    """implementation=None: the platform's backends in order (sm90, then cudnn on a GPU; cudnn first at
+    head dim 256), the first that can run the call; when none can, "xla" with one warning naming every
+    backend's reason."""
     from maxattn._src import api, backends
+    from maxattn._src.call import Call, Operands, Options
 
     assert backends.auto_order("cpu") == ("cpu",)
-    assert backends.auto_order("gpu") == ("sm90", "cudnn") == backends.auto_order("cuda")
+    assert backends.auto_order("gpu") == ("sm90", "cudnn") == backends.auto_order("cuda", 128)
+    assert backends.auto_order("gpu", 256) == ("cudnn", "sm90") == backends.auto_order("cuda", 256)
+    assert backends.auto_order("cpu", 256) == ("cpu",)
     assert backends.auto_order("tpu") == ()
+
+    def call(head_dim):
+        x = jnp.zeros((1, 8, 2, head_dim), jnp.bfloat16)
+        return Call(Options(scale=1.0), Operands(query=x, key=x, value=x))
+
     monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
     refusals = {}
     monkeypatch.setattr(backends, "unsupported_reason", lambda name, call: refusals.get(name))
-    assert api._choose_backend(None, call=None) == "sm90"
+    assert api._choose_backend(None, call(128)) == "sm90"
+    assert api._choose_backend(None, call(256)) == "cudnn"
     refusals["sm90"] = "not a Hopper GPU (test)"
-    assert api._choose_backend(None, call=None) == "cudnn"
+    assert api._choose_backend(None, call(128)) == "cudnn"
     refusals["cudnn"] = "no soft cap (test)"
     with pytest.warns(RuntimeWarning, match=r'from "sm90" and "cudnn" to "xla".*"sm90": not a Hopper GPU \(test\); '
                                             r'"cudnn": no soft cap \(test\)'):
-        assert api._choose_backend(None, call=None) is None
+        assert api._choose_backend(None, call(128)) is None
     monkeypatch.setattr(api.jax, "default_backend", lambda: "tpu")
-    assert api._choose_backend(None, call=None) is None  # no fused backend there: xla, no warning
+    assert api._choose_backend(None, call(128)) is None  # no fused backend there: xla, no warning

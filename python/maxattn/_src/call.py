@@ -165,6 +165,11 @@ class Call:
         return self.operands.key.shape[2]
 
     @property
+    def head_dim(self) -> int:
+        """Head dim of query and key (value's may differ)."""
+        return self.operands.query.shape[3]
+
+    @property
     def group(self) -> int:
         """Query heads per kv head (GQA)."""
         return self.num_heads // self.num_kv_heads if self.num_kv_heads else 1
