@@ -209,14 +209,15 @@ def test_unsupported_configurations_raise_with_reason(kwargs, dtype, needle):
         maxattn.dot_product_attention(q, k, v, implementation="cudnn", **kwargs)
 
 
-def test_auto_prefers_sm90_then_cudnn_and_falls_back_with_warning():
-    q, k, v = random_inputs(2, 1, 64, 64, 2, 2, 64, 64, jnp.bfloat16)
+def test_auto_prefers_sm90_at_head_dim_128_then_cudnn_and_falls_back_with_warning():
+    q, k, v = random_inputs(2, 1, 64, 64, 2, 2, 128, 128, jnp.bfloat16)
     # A soft cap (no cuDNN) with a bias (not on sm90): neither fused GPU backend runs it, and the
     # one warning names both refusals.
     bias = jnp.zeros((1, 2, 64, 64), jnp.bfloat16)
     with pytest.warns(RuntimeWarning, match='falling back from "sm90" and "cudnn" to "xla".*"sm90": .*bias'):
         maxattn.dot_product_attention(q, k, v, bias, is_causal=True, logits_soft_cap=20.0)
-    # What both run goes to sm90, bit for bit the explicit call; a bias (sm90 refuses it) goes to cuDNN.
+    # What both run goes to sm90 at head dim 128, bit for bit the explicit call; a bias (sm90 refuses
+    # it) goes to cuDNN.
     out = maxattn.dot_product_attention(q, k, v, is_causal=True)
     ref = maxattn.dot_product_attention(q, k, v, is_causal=True, implementation="sm90")
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
@@ -225,6 +226,13 @@ def test_auto_prefers_sm90_then_cudnn_and_falls_back_with_warning():
         out = maxattn.dot_product_attention(q, k, v, bias, is_causal=True)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(_cudnn(q, k, v, bias, is_causal=True),
                                                                           np.float32))
+    # Head dim 64: cuDNN first, sm90 for segment ids (cuDNN would fold them into a dense bias).
+    q, k, v = random_inputs(3, 1, 64, 64, 2, 2, 64, 64, jnp.bfloat16)
+    seg = jnp.asarray([[1] * 40 + [2] * 24], jnp.int32)
+    lower = lambda **kw: jax.jit(lambda q, k, v: maxattn.dot_product_attention(q, k, v, **kw)).lower(q, k, v).as_text()
+    assert "maxattn_attention_fwd_cuda" in lower() and "maxattn_attention_fwd_sm90" not in lower()
+    hlo = lower(q_segment_ids=seg, kv_segment_ids=seg)
+    assert "maxattn_attention_fwd_sm90" in hlo and "maxattn_attention_fwd_cuda" not in hlo
 
 
 @pytest.mark.parametrize("kwargs, needle", [
@@ -239,7 +247,8 @@ def test_sm90_names_what_it_cannot_run(kwargs, needle):
         kwargs["dropout_rng"] = jax.random.key(0)
     with pytest.raises(ValueError, match=f'implementation="sm90" cannot run this call: .*{needle}'):
         maxattn.dot_product_attention(q, k, v, bias, implementation="sm90", **kwargs)
-    # Auto mode takes sm90 where it runs and cuDNN for what it refuses.
+    # Auto mode: cuDNN for what sm90 refuses, also at head dim 128 where sm90 comes first.
+    q, k, v = random_inputs(1, 1, 64, 64, 2, 2, 128, 128, jnp.bfloat16)
     auto = jax.jit(lambda q, k, v, bias: maxattn.dot_product_attention(q, k, v, bias, **kwargs))
     hlo = auto.lower(q, k, v, bias).as_text()
     assert "maxattn_attention_fwd_cuda" in hlo and "maxattn_attention_fwd_sm90" not in hlo

@@ -57,9 +57,9 @@ def test_cpu_import_failure_is_reported(monkeypatch):
 
 def test_default_implementation_on_this_machine():
     cfg = info.collect()
-    fused = ("sm90", "cudnn") if cfg["gpus"] else ("cpu",)
-    expected = next((n for n in fused if cfg["backends"][n]["available"]), "xla")
-    assert cfg["default_implementation"] == expected
+    first = lambda fused: next((n for n in fused if cfg["backends"][n]["available"]), "xla")
+    assert cfg["default_implementation"] == first(("sm90", "cudnn") if cfg["gpus"] else ("cpu",))
+    assert cfg["default_implementation_other_head_dims"] == first(("cudnn", "sm90") if cfg["gpus"] else ("cpu",))
 
 
 def test_cudnn_version_format():

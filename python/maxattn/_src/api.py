@@ -24,7 +24,8 @@ def _choose_backend(implementation: Optional[str], call: Call) -> Optional[str]:
         if reason is not None:
             raise ValueError(f'implementation="{implementation}" cannot run this call: {reason}')
         return implementation
-    order = backends.auto_order(jax.default_backend(), call.head_dim)
+    dense_segments = call.operands.q_segment_ids is not None and call.options.max_segments == 0
+    order = backends.auto_order(jax.default_backend(), call.head_dim, dense_segments)
     reasons = []
     for name in order:
         reason = backends.unsupported_reason(name, call)

@@ -160,11 +160,12 @@ def collect() -> dict:
             "xla": {"built": True, "available": True, "reason": None},
         },
     }
-    # What implementation=None takes for a call every fused backend runs (backends/__init__.py's order;
-    # at head dim 256 cuDNN comes first on a GPU).
+    # What implementation=None takes for a call every fused backend runs, at head dim 128 and at the
+    # others (backends/__init__.py's order).
     from maxattn._src import backends
-    order = backends.auto_order(jax.default_backend())
-    info["default_implementation"] = next((n for n in order if info["backends"][n]["available"]), "xla")
+    first = lambda order: next((n for n in order if info["backends"][n]["available"]), "xla")
+    info["default_implementation"] = first(backends.auto_order(jax.default_backend(), 128))
+    info["default_implementation_other_head_dims"] = first(backends.auto_order(jax.default_backend()))
     return info
 
 
@@ -212,4 +213,6 @@ def show_config(file: Optional[TextIO] = None) -> None:
         if b["reason"]:
             status += f" -- {b['reason']}"
         print(f"  {name:<8}{status}", file=out)
-    line("implementation=None", f"uses {info['default_implementation']!r} on this machine")
+    default, other = info["default_implementation"], info["default_implementation_other_head_dims"]
+    line("implementation=None", f"uses {default!r} on this machine" +
+         ("" if other == default else f" at head dim 128, {other!r} at 64 and 256 (segment ids: {default!r})"))

@@ -17,16 +17,17 @@ _MODULES = {
     "cudnn": "maxattn._src.backends.cudnn",
     "sm90": "maxattn._src.backends.sm90",
 }
-# The fused backends `implementation=None` tries on each JAX platform, in order. On a GPU our own
-# Hopper kernels come first: by device time they match cuDNN's forward and forward+backward at head
-# dim 128, beat FlashAttention-3's forward at 64, reduce max_logit inside the kernel (cuDNN needs a
-# second kernel) and run soft caps and segment ids without a dense bias (bench/RESULTS.md). cuDNN
-# runs what sm90 refuses (a GPU other than Hopper, a bias or mask, dropout, unequal head dims), and
-# both refusals are then part of the fallback warning.
-_AUTO = {"cpu": ("cpu",), "gpu": ("sm90", "cudnn"), "cuda": ("sm90", "cudnn")}
-# Head dims with another order: at 256 cuDNN's forward takes 0.88x the sm90 forward's time (H100,
-# 2026-12-06), so cuDNN comes first there and sm90 runs what it refuses (a soft cap: Gemma-2).
-_AUTO_BY_HEAD_DIM = {256: {"gpu": ("cudnn", "sm90"), "cuda": ("cudnn", "sm90")}}
+# The fused backends `implementation=None` tries on each JAX platform, in order. cuDNN runs what
+# sm90 refuses (a GPU other than Hopper, a bias or mask, dropout, unequal head dims) and sm90 what
+# cuDNN refuses (a soft cap); both refusals are part of the fallback warning when neither runs.
+_AUTO = {"cpu": ("cpu",), "gpu": ("cudnn", "sm90"), "cuda": ("cudnn", "sm90")}
+# Where both run, our Hopper kernels come first at head dim 128: there they match cuDNN's forward and
+# forward+backward by device time and reduce max_logit inside the kernel (H100, 2026-12-06,
+# bench/RESULTS.md). cuDNN's kernels are faster at 256 (forward 253 us against 287 at
+# (4,2048,16,16,256) causal, same H100 run) and, by older runs on other machines, at 64. Segment ids
+# go to sm90 at every head dim: cuDNN folds them into an O(T*S) dense bias (10x slower at T = 8192)
+# unless max_segments_per_row promises its ragged layout.
+_SM90_FIRST_HEAD_DIMS = (128,)
 
 
 def names() -> tuple[str, ...]:
@@ -38,10 +39,13 @@ def get(name: str) -> Backend:
     return importlib.import_module(_MODULES[name]).BACKEND
 
 
-def auto_order(platform: str, head_dim: Optional[int] = None) -> tuple[str, ...]:
-    """The fused backends implementation=None tries on `platform` for a call of `head_dim`, in order
-    (may be empty)."""
-    return _AUTO_BY_HEAD_DIM.get(head_dim, {}).get(platform) or _AUTO.get(platform, ())
+def auto_order(platform: str, head_dim: Optional[int] = None, dense_segments: bool = False) -> tuple[str, ...]:
+    """The fused backends implementation=None tries on `platform`, in order (may be empty), for a call
+    of `head_dim` with (`dense_segments`) or without segment ids that have no max_segments_per_row."""
+    order = _AUTO.get(platform, ())
+    if order[:2] == ("cudnn", "sm90") and (head_dim in _SM90_FIRST_HEAD_DIMS or dense_segments):
+        return ("sm90", "cudnn") + order[2:]
+    return order
 
 
 def unsupported_reason(name: str, call) -> Optional[str]:
