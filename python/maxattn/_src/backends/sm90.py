@@ -18,7 +18,8 @@ exact, but it materialises the [B, N, T, S] logits). Our kernels are exact
 for any segment ids and ignore `max_segments_per_row`; at head dim 256 that
 bound is refused, because cuDNN's ragged backward would poison the rows
 that break it while the sm90 forward is exact on them. `implementation=None`
-tries sm90 first on a GPU, then cuDNN (backends/__init__.py).
+tries sm90 first at head dim 128 and for segment ids, cuDNN first otherwise
+(backends/__init__.py).
 """
 
 from __future__ import annotations
