@@ -24,8 +24,7 @@ def _choose_backend(implementation: Optional[str], call: Call) -> Optional[str]:
         if reason is not None:
             raise ValueError(f'implementation="{implementation}" cannot run this call: {reason}')
         return implementation
-    dense_segments = call.operands.q_segment_ids is not None and call.options.max_segments == 0
-    order = backends.auto_order(jax.default_backend(), call.head_dim, dense_segments)
+    order = backends.auto_order(jax.default_backend(), call.head_dim, call.dense_segments)
     reasons = []
     for name in order:
         reason = backends.unsupported_reason(name, call)

@@ -165,6 +165,12 @@ class Call:
         return self.operands.key.shape[2]
 
     @property
+    def dense_segments(self) -> bool:
+        """Segment ids without the max_segments_per_row promise: the dense same-segment rule, which
+        cuDNN can only take folded into an O(T*S) bias."""
+        return self.operands.q_segment_ids is not None and self.options.max_segments == 0
+
+    @property
     def head_dim(self) -> int:
         """Head dim of query and key (value's may differ)."""
         return self.operands.query.shape[3]

@@ -82,7 +82,7 @@ def _folded_bias(call: Call) -> Optional[jax.Array]:
     q = ops.query
     bias = None if ops.bias is None else ops.bias.astype(q.dtype)
     keep = ops.mask
-    if ops.q_segment_ids is not None and call.options.max_segments == 0:
+    if call.dense_segments:
         seg = reference.same_segment(ops.q_segment_ids, ops.kv_segment_ids)
         keep = seg if keep is None else keep & seg
     if keep is not None:
@@ -144,7 +144,7 @@ class CudnnBackend:
         call = _effective(call)
         ops = call.operands
         # Folded into the bias: a mask, and segment ids off the ragged path.
-        masked = ops.mask is not None or (ops.q_segment_ids is not None and call.options.max_segments == 0)
+        masked = ops.mask is not None or call.dense_segments
         attrs = {k: v.item() if hasattr(v, "item") else v for k, v in call.options.ffi_attributes().items()}
         return mod.unsupported_reason(
             (call.batch, call.q_len, call.kv_len, call.num_heads, call.num_kv_heads, ops.query.shape[3],
