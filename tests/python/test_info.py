@@ -59,7 +59,9 @@ def test_default_implementation_on_this_machine():
     cfg = info.collect()
     first = lambda fused: next((n for n in fused if cfg["backends"][n]["available"]), "xla")
     assert cfg["default_implementation"] == first(("sm90", "cudnn") if cfg["gpus"] else ("cpu",))
-    assert cfg["default_implementation_other_head_dims"] == first(("cudnn", "sm90") if cfg["gpus"] else ("cpu",))
+    other = first(("cudnn", "sm90") if cfg["gpus"] else ("cpu",))
+    assert cfg["default_implementation_by_case"] == {"head dim 64": other, "head dim 256": other,
+                                                     "segment ids": cfg["default_implementation"]}
 
 
 def test_cudnn_version_format():

@@ -160,12 +160,17 @@ def collect() -> dict:
             "xla": {"built": True, "available": True, "reason": None},
         },
     }
-    # What implementation=None takes for a call every fused backend runs, at head dim 128 and at the
-    # others (backends/__init__.py's order).
+    # What implementation=None takes for a call every fused backend runs: at head dim 128, and in the
+    # cases where backends/__init__.py's order may differ.
     from maxattn._src import backends
-    first = lambda order: next((n for n in order if info["backends"][n]["available"]), "xla")
-    info["default_implementation"] = first(backends.auto_order(jax.default_backend(), 128))
-    info["default_implementation_other_head_dims"] = first(backends.auto_order(jax.default_backend()))
+
+    def first(**call) -> str:
+        order = backends.auto_order(jax.default_backend(), **call)
+        return next((n for n in order if info["backends"][n]["available"]), "xla")
+
+    info["default_implementation"] = first(head_dim=128)
+    info["default_implementation_by_case"] = {"head dim 64": first(head_dim=64), "head dim 256": first(head_dim=256),
+                                              "segment ids": first(dense_segments=True)}
     return info
 
 
@@ -213,6 +218,6 @@ def show_config(file: Optional[TextIO] = None) -> None:
         if b["reason"]:
             status += f" -- {b['reason']}"
         print(f"  {name:<8}{status}", file=out)
-    default, other = info["default_implementation"], info["default_implementation_other_head_dims"]
-    line("implementation=None", f"uses {default!r} on this machine" +
-         ("" if other == default else f" at head dim 128, {other!r} at 64 and 256 (segment ids: {default!r})"))
+    default = info["default_implementation"]
+    others = [f"{case}: {name!r}" for case, name in info["default_implementation_by_case"].items() if name != default]
+    line("implementation=None", f"uses {default!r} on this machine" + (f" ({'; '.join(others)})" if others else ""))
