@@ -35,12 +35,13 @@ import sys
 
 import ncu_time
 
+SOFT_CAP = 50.0  # the "cap50" variants' logits_soft_cap
 VARIANTS = {  # name: (return_lse, return_max_logit, logits_soft_cap)
     "fwd": (False, False, None),
     "fwd+max": (False, True, None),
     "fwd+lse": (True, False, None),
     "fwd+lse+max": (True, True, None),
-    "fwd+cap50": (False, False, 50.0),
+    "fwd+cap50": (False, False, SOFT_CAP),
 }
 BWD_VARIANTS = ("fwd+bwd", "cudnn fwd+bwd", "det fwd+bwd", "cap50 fwd+bwd", "fa3 fwd+bwd")
 # The first three keep their indices (tools/gpu_check.sh's KERNEL_SHAPES); the rest are bench/gpu.py's rows.
@@ -69,7 +70,7 @@ def _child(variant: str, shape_index: int, calls: int, impl: str) -> None:
         else:
             backend = "cudnn" if variant.startswith("cudnn") else impl
             det = variant.startswith("det")
-            cap = 50.0 if variant.startswith("cap50") else None
+            cap = SOFT_CAP if variant.startswith("cap50") else None
             attn = lambda q, k, v: maxattn.dot_product_attention(q, k, v, is_causal=causal, implementation=backend,
                                                                  deterministic_backward=det, logits_soft_cap=cap)
         grad = jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * ct), argnums=(0, 1, 2))

@@ -230,7 +230,8 @@ def test_auto_prefers_sm90_at_head_dim_128_then_cudnn_and_falls_back_with_warnin
     q, k, v = random_inputs(3, 1, 64, 64, 2, 2, 64, 64, jnp.bfloat16)
     seg = jnp.asarray([[1] * 40 + [2] * 24], jnp.int32)
     lower = lambda **kw: jax.jit(lambda q, k, v: maxattn.dot_product_attention(q, k, v, **kw)).lower(q, k, v).as_text()
-    assert "maxattn_attention_fwd_cuda" in lower() and "maxattn_attention_fwd_sm90" not in lower()
+    hlo = lower()
+    assert "maxattn_attention_fwd_cuda" in hlo and "maxattn_attention_fwd_sm90" not in hlo
     hlo = lower(q_segment_ids=seg, kv_segment_ids=seg)
     assert "maxattn_attention_fwd_sm90" in hlo and "maxattn_attention_fwd_cuda" not in hlo
 
