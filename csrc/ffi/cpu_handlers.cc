@@ -9,6 +9,7 @@ struct CpuPlatform {
   static constexpr const char* kForwardName = "maxattn_attention_fwd_cpu";
   static constexpr const char* kBackwardName = "maxattn_attention_bwd_cpu";
   static ffi::DataType BiasType(ffi::DataType) { return ffi::DataType::F32; }  // the kernels read f32
+  static constexpr bool kMaxLogitOverBatch = false;
   using Context = ContextTypes<>;  // the kernels run on the library's thread pool; no XLA context
   static auto Bind() { return ffi::Ffi::Bind(); }
   static ffi::Error Forward(const DecodedCall& call, const ForwardOutputs& outputs) {

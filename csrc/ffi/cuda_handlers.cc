@@ -47,6 +47,7 @@ struct CudaPlatform {
   static constexpr const char* kForwardName = "maxattn_attention_fwd_cuda";
   static constexpr const char* kBackwardName = "maxattn_attention_bwd_cuda";
   static ffi::DataType BiasType(ffi::DataType input) { return input; }  // cuDNN reads the bias in the input dtype
+  static constexpr bool kMaxLogitOverBatch = false;
   using Context = ContextTypes<cudaStream_t, int32_t, ffi::ScratchAllocator>;
   static auto Bind() {
     return ffi::Ffi::Bind()
@@ -78,6 +79,7 @@ struct Sm90Platform {
   static constexpr const char* kForwardName = "maxattn_attention_fwd_sm90";
   static constexpr const char* kBackwardName = "maxattn_attention_bwd_sm90";
   static ffi::DataType BiasType(ffi::DataType input) { return input; }  // no bias is supported
+  static constexpr bool kMaxLogitOverBatch = true;  // one atomic max per head (epilogue.h)
   using Context = ContextTypes<cudaStream_t, int32_t, ffi::ScratchAllocator>;
   static auto Bind() {
     return ffi::Ffi::Bind()

@@ -122,10 +122,11 @@ inline ffi::Error CheckOutput(std::string_view op, std::string_view operand, con
 }
 
 // Checks the forward results (out; lse and max_logit requested by shape) and
-// points `outputs` at them; unrequested optional outputs stay null.
+// points `outputs` at them; unrequested optional outputs stay null. A target
+// that reduces max_logit over the batch (over_batch_ok) also takes it as [1, N].
 inline ffi::Error DecodeForwardOutputs(std::string_view op, const DecodedCall& call, ffi::DataType dtype,
                                        ffi::AnyBuffer& out, ffi::AnyBuffer& lse, ffi::AnyBuffer& max_logit,
-                                       ForwardOutputs* outputs) {
+                                       bool over_batch_ok, ForwardOutputs* outputs) {
   const AttentionShape& s = call.shape;
   MAXATTN_FFI_RETURN_IF_ERROR(CheckType(op, "out", out.element_type(), dtype));
   MAXATTN_FFI_RETURN_IF_ERROR(
@@ -133,8 +134,10 @@ inline ffi::Error DecodeForwardOutputs(std::string_view op, const DecodedCall& c
   bool want_lse = false, want_max = false;
   MAXATTN_FFI_RETURN_IF_ERROR(
       CheckOutput(op, "lse", lse, ffi::DataType::F32, {s.batch, s.num_q_heads, s.q_len}, &want_lse));
-  MAXATTN_FFI_RETURN_IF_ERROR(
-      CheckOutput(op, "max_logit", max_logit, ffi::DataType::F32, {s.batch, s.num_q_heads}, &want_max));
+  const auto max_dims = max_logit.dimensions();
+  outputs->max_logit_over_batch = over_batch_ok && s.batch != 1 && max_dims.size() == 2 && max_dims[0] == 1;
+  MAXATTN_FFI_RETURN_IF_ERROR(CheckOutput(op, "max_logit", max_logit, ffi::DataType::F32,
+                                          {outputs->max_logit_over_batch ? 1 : s.batch, s.num_q_heads}, &want_max));
   outputs->out = out.untyped_data();
   outputs->lse = want_lse ? static_cast<float*>(lse.untyped_data()) : nullptr;
   outputs->max_logit = want_max ? static_cast<float*>(max_logit.untyped_data()) : nullptr;

@@ -5,6 +5,7 @@
 //
 //   struct Platform {
 //     static constexpr const char* kForwardName, *kBackwardName;
+//     static constexpr bool kMaxLogitOverBatch;  // takes a [1, N] max_logit (reduced over the batch)
 //     using Context = ContextTypes<Ctx...>;   // what Bind() binds, in order
 //     static auto Bind();                     // ffi::Ffi::Bind() plus .Ctx<>() for each context
 //     static ffi::DataType BiasType(ffi::DataType input);
@@ -52,7 +53,7 @@ auto BindForward() {
   return BindOperands(Platform::Bind())
       .template Ret<Buffer>()   // out [B, T, N, Hv]
       .template Ret<Buffer>()   // lse [B, N, T] f32, or [0]
-      .template Ret<Buffer>();  // max_logit [B, N] f32, or [0]
+      .template Ret<Buffer>();  // max_logit [B, N] f32 ([1, N] if kMaxLogitOverBatch), or [0]
 }
 
 template <typename Platform>
@@ -79,7 +80,8 @@ struct Forward {
                         Ctx&... ctx) {
     ForwardOutputs outputs;
     MAXATTN_FFI_RETURN_IF_ERROR(
-        DecodeForwardOutputs(kName<Platform>, call, dtype, *out, *lse, *max_logit, &outputs));
+        DecodeForwardOutputs(kName<Platform>, call, dtype, *out, *lse, *max_logit, Platform::kMaxLogitOverBatch,
+                             &outputs));
     return Platform::Forward(ctx..., call, outputs);
   }
 };

@@ -153,7 +153,9 @@ struct AttentionInputs {
 struct ForwardOutputs {
   void* out = nullptr;         // [B, T, N, Hv], dtype
   float* lse = nullptr;        // [B, N, T] or null (not requested)
-  float* max_logit = nullptr;  // [B, N] or null (not requested)
+  float* max_logit = nullptr;  // [B, N], [1, N] (max_logit_over_batch) or null (not requested)
+  // max_logit is [1, N]: max_logit[0, n] is the max over every batch row (the sm90 kernels only).
+  bool max_logit_over_batch = false;
 };
 
 struct BackwardInputs {

@@ -394,6 +394,75 @@ def test_nan_on_one_cp_shard_reaches_max_logit(impl, strategy):
     assert np.isnan(mx[2]) and np.isfinite(np.delete(mx, 2)).all(), mx
 
 
+class _ReducesInKernel:
+    """The cpu backend, but returning max_logit [1, N] (the max over its rows) when the call asks
+    for it over the batch, as the sm90 kernels do: the partitioner must not reduce it again, the
+    vmap fold must ask for rows, and the API must read the one row."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.asked = inner, inner.name, []
+
+    def unsupported_reason(self, call):
+        return self.inner.unsupported_reason(call)
+
+    def forward(self, call):
+        res = self.inner.forward(call)
+        self.asked.append(call.options.max_logit_over_batch)
+        if not (call.options.max_logit and call.options.max_logit_over_batch):
+            return res
+        mx = res.max_logit
+        one = jnp.where(jnp.any(jnp.isnan(mx), axis=0, keepdims=True), jnp.nan, jnp.max(mx, axis=0, keepdims=True))
+        return res._replace(max_logit=one)
+
+    def backward(self, call, saved):
+        return self.inner.backward(call, saved)
+
+
+@needs8
+@pytest.mark.parametrize("mesh_shape,strategy", [((8, 1, 1), None), ((2, 4, 1), "ring"), ((2, 2, 2), None)])
+def test_max_logit_reduced_in_the_kernel(impl, monkeypatch, mesh_shape, strategy):
+    """A backend that returns max_logit over its batch rows ([1, N]) gives the same global max under
+    DP/TP/CP sharding (a spike on one batch shard, a NaN on another) and per instance under vmap."""
+    from maxattn._src import backends, stack
+    fake = _ReducesInKernel(backends.get(impl))
+    real_get = backends.get
+    monkeypatch.setattr(backends, "get", lambda name: fake if name == impl else real_get(name))
+    stack.fused.cache_clear()
+    try:
+        mesh = _mesh(*mesh_shape)
+        q, k, v, _, _ = _inputs(11, 2)
+        q, k = _spike(q, k, b=5, t=7, head=1, K=2)  # batch row 5: the fourth or sixth DP shard
+        q[2, 3, 3, 0] = np.nan  # head 3 NaN from batch row 2 only
+        seq = "cp" if strategy else None
+        args = [_put(mesh, x, P("dp", seq, "tp" if x.shape[2] % mesh.shape["tp"] == 0 else None, None))
+                for x in (q, k, v)]
+        f = lambda q, k, v: maxattn.dot_product_attention(
+            q, k, v, is_causal=True, implementation=impl, return_max_logit=True, context_parallel=strategy,
+            context_parallel_axis="cp" if strategy else None)[1]["max_logit"]
+        mx = np.asarray(jax.jit(f)(*args), np.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = np.asarray(maxattn.reference(q, k, v, is_causal=True, return_max_logit=True)[1]["max_logit"])
+        assert mx[1] > 100.0 and np.isnan(mx[3]) and np.isnan(ref[3])
+        assert_max_logit_close(mx, ref, TOL)
+        assert fake.asked and all(fake.asked) == (strategy is None)  # CP blocks ask for rows
+
+        fake.asked.clear()
+        qs, ks, vs = (np.stack([x[:4], 2 * x[4:]]) for x in (q, k, v))
+        vm = jax.vmap(lambda q, k, v: maxattn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
+                                                                     return_max_logit=True)[1]["max_logit"])
+        got = np.asarray(vm(qs, ks, vs), np.float64)
+        # custom_vmap traces the call as written (for its result shapes); the rule that runs asks for rows.
+        assert fake.asked and fake.asked[-1] is False
+        for i in range(2):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                r = maxattn.reference(qs[i], ks[i], vs[i], is_causal=True, return_max_logit=True)[1]["max_logit"]
+            assert_max_logit_close(got[i], np.asarray(r), TOL)
+    finally:
+        stack.fused.cache_clear()
+
+
 # ----------------------------------------------------------------------------
 # Attention sinks and dropout under context parallelism.
 

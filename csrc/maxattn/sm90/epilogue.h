@@ -9,7 +9,8 @@
 // the vanilla case). The sink never enters max_logit. The raw row maxima times the scale are the
 // row's max logits (scale > 0, so max(scale*s) == scale*max(s) in fp32); each
 // warp reduces its rows by shuffles and issues one atomic max into
-// max_logit[b, n] (float_max.cuh), also when it sees nothing, while its last
+// max_logit[b, n] (max_logit[0, n] for the max over the batch rows;
+// float_max.cuh), also when it sees nothing, while its last
 // P V GEMM is in flight: no barrier between the consumer warpgroups, and the
 // reduction's latency is hidden behind the tensor cores.
 #ifndef MAXATTN_SM90_EPILOGUE_H_
@@ -61,7 +62,8 @@ struct Epilogue {
       thread_max = NanMax(thread_max, __shfl_xor_sync(0xffffffffu, thread_max, offset));
     }
     if (consumer_tid % 32 == 0) {
-      AtomicMaxFloat(args.max_logit + static_cast<int64_t>(tile.batch) * args.heads + tile.head, thread_max);
+      AtomicMaxFloat(args.max_logit + static_cast<int64_t>(tile.batch) * args.max_logit_row_stride + tile.head,
+                     thread_max);
     }
   }
 

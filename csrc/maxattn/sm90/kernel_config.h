@@ -201,7 +201,8 @@ struct ProblemArgs {
 struct FwdArgs : ProblemArgs {
   void* out = nullptr;          // [B, T, N, H]
   float* lse = nullptr;         // [B, N, T] or null
-  float* max_logit = nullptr;   // [B, N] or null; pre-filled with float_max.cuh's sentinel
+  float* max_logit = nullptr;   // [B, N] or [1, N] or null; pre-filled with float_max.cuh's sentinel
+  int max_logit_row_stride = 0;  // N, or 0 for [1, N] (the max over the batch rows)
   const float* sink_logits = nullptr;  // [N] per-head sink logit (epilogue.h), or null
   int* tile_counter = nullptr;  // persistent grids: tiles handed out after the first wave, zeroed per call
   int num_tiles = 0;            // num_m_blocks * heads * batch

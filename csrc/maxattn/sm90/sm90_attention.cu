@@ -86,12 +86,13 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
   const int64_t B = shape.batch, T = shape.q_len, S = shape.kv_len, N = shape.num_q_heads;
   const int64_t out_bytes = B * T * N * shape.head_dim_v *
                             static_cast<int64_t>(inputs.dtype == DType::kFloat32 ? 4 : 2);
-  if (B == 0 || N == 0 || T == 0) return sm90::FillFloats(outputs.max_logit, B * N, -INFINITY, stream);
+  const int64_t max_rows = outputs.max_logit_over_batch ? 1 : B;  // of max_logit [rows, N]
+  if (B == 0 || N == 0 || T == 0) return sm90::FillFloats(outputs.max_logit, max_rows * N, -INFINITY, stream);
   if (S == 0) {  // every row fully masked
     MAXATTN_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(outputs.out, 0, static_cast<size_t>(out_bytes), stream),
                                        "cudaMemsetAsync(out)"));
     MAXATTN_RETURN_IF_ERROR(FillEmptyLse(outputs.lse, inputs.sink_logits, B, N, T, stream));
-    return sm90::FillFloats(outputs.max_logit, B * N, -INFINITY, stream);
+    return sm90::FillFloats(outputs.max_logit, max_rows * N, -INFINITY, stream);
   }
 
   sm90::FwdArgs args;
@@ -100,12 +101,14 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
   args.out = outputs.out;
   args.lse = outputs.lse;
   args.max_logit = outputs.max_logit;
+  args.max_logit_row_stride = outputs.max_logit_over_batch ? 0 : static_cast<int>(N);
   args.sink_logits = inputs.sink_logits;
   args.num_tiles = static_cast<int>(args.num_m_blocks * N * B);
   if (outputs.max_logit != nullptr) {
     // Below every float in the kernel's atomic ordering (float_max.cuh).
     MAXATTN_RETURN_IF_ERROR(
-        CudaStatus(cudaMemsetAsync(outputs.max_logit, kAtomicMaxEmptyByte, static_cast<size_t>(B * N) * 4, stream),
+        CudaStatus(cudaMemsetAsync(outputs.max_logit, kAtomicMaxEmptyByte, static_cast<size_t>(max_rows * N) * 4,
+                                   stream),
                    "cudaMemsetAsync(max_logit)"));
   }
   // Workspace, one block: the persistent grid's tile counter (16 bytes, zeroed

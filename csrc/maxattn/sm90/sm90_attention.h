@@ -2,8 +2,8 @@
 //
 // Warp-specialised TMA + WGMMA kernels (csrc/maxattn/sm90/). The forward
 // reduces max_logit inside the kernel: one atomic max per (batch, head) per
-// consumer warp into outputs.max_logit [B, N], which the launcher initialises
-// on the stream. The backward recomputes the probabilities from the forward's
+// consumer warp into outputs.max_logit [B, N] (per head into [1, N] with
+// outputs.max_logit_over_batch), which the launcher initialises on the stream. The backward recomputes the probabilities from the forward's
 // out and lse (attention.h's BackwardInputs, the residuals every backend
 // saves). Segment ids run without a dense bias (segments.h).
 // Semantics are exactly those of attention.h; the calls they cannot run are

@@ -259,9 +259,11 @@ def dot_product_attention(
         return out
     aux: dict[str, jax.Array] = {}
     if options.max_logit:
-        # NaN-propagating max over the batch: XLA's CPU reduction may not propagate NaN.
-        batch_max = jnp.max(mx, axis=0, initial=-jnp.inf)
-        batch_max = jnp.where(jnp.any(jnp.isnan(mx), axis=0), jnp.nan, batch_max)
+        if mx.shape[0] == 1:  # reduced over the batch already (options.max_logit_over_batch): no XLA kernel
+            batch_max = mx[0]
+        else:  # the reference path: NaN-propagating max (XLA's CPU reduction may not propagate NaN)
+            batch_max = jnp.max(mx, axis=0, initial=-jnp.inf)
+            batch_max = jnp.where(jnp.any(jnp.isnan(mx), axis=0), jnp.nan, batch_max)
         aux["max_logit"] = jax.lax.stop_gradient(batch_max.astype(jnp.float32))
     if options.lse:
         aux["lse"] = lse

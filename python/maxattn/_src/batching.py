@@ -2,9 +2,10 @@
 
 A backend sees only [B, ...] buffers. Under `jax.vmap` we fold the mapped
 axis V into the batch axis (V*B), call the same function once, and unfold the
-results; max_logit is returned per (batch, head) by every backend, so each
-mapped instance keeps its own maximum after unfolding. Nested vmaps fold
-recursively. The role of each array's axis 0 comes from `call.FIELDS`.
+results. max_logit is asked per (batch, head) from the folded call, so each
+mapped instance keeps its own maximum after unfolding; where the call wants it
+over the batch ([1, N]), the rule reduces each instance's rows itself. Nested
+vmaps fold recursively. The role of each array's axis 0 comes from `call.FIELDS`.
 
 Operands without a batch axis (REPL: the per-head sink logits, the dropout
 seed) are passed through unchanged when they are not mapped. When one of them
@@ -63,6 +64,12 @@ def fold(fn: Callable[..., NamedTuple]) -> Callable[..., NamedTuple]:
     """
     cache: dict[Any, Callable] = {}
 
+    def get(options, names: tuple[str, ...], with_saved: bool) -> Callable:
+        key = (options, names, with_saved)
+        if key not in cache:
+            cache[key] = build(options, names, with_saved)
+        return cache[key]
+
     def build(options, names: tuple[str, ...], with_saved: bool) -> Callable:
         roles = [_role(n) for n in names]
         saved_type = Saved if with_saved else None
@@ -100,7 +107,11 @@ def fold(fn: Callable[..., NamedTuple]) -> Callable[..., NamedTuple]:
                 rest = a.shape[2:]
                 a = jnp.broadcast_to(a, (axis_size, batch) + rest)
                 folded.append(a.reshape((axis_size * batch,) + rest))
-            outs = wrapped(*folded)
+            # max_logit over the batch: the folded call returns rows, reduced per instance below.
+            over_batch = options.max_logit_over_batch
+            inner = get(options.replace(max_logit_over_batch=False), names, with_saved).wrapped if over_batch \
+                else wrapped
+            outs = inner(*folded)
             fields = result_type[0]._fields if result_type else (None,) * len(outs)
             unfolded = []
             for o, field in zip(outs, fields):
@@ -108,6 +119,9 @@ def fold(fn: Callable[..., NamedTuple]) -> Callable[..., NamedTuple]:
                     unfolded.append(None)
                     continue
                 o = o.reshape((axis_size, batch) + o.shape[1:])
+                if field == "max_logit" and over_batch:
+                    o = jnp.where(jnp.any(jnp.isnan(o), axis=1, keepdims=True), jnp.nan,
+                                  jnp.max(o, axis=1, keepdims=True, initial=-jnp.inf))
                 if field is not None and FIELDS[field].role == BCAST:
                     # Summed over the batch when the operand it mirrors was broadcast over it.
                     src = names.index("bias")
@@ -121,14 +135,12 @@ def fold(fn: Callable[..., NamedTuple]) -> Callable[..., NamedTuple]:
             outs = wrapped(*arrays)  # traces call_fn first, which records the result type
             return result_type[0](*outs)
 
+        run.wrapped = wrapped
         return run
 
     def folded(call: Call, saved: Optional[Saved] = None):
         names, arrays = _present(call, saved)
-        key = (call.options, names, saved is not None)
-        if key not in cache:
-            cache[key] = build(call.options, names, saved is not None)
-        return cache[key](arrays)
+        return get(call.options, names, saved is not None)(arrays)
 
     return folded
 

@@ -77,6 +77,10 @@ class Options:
     softmax: SoftmaxType = SoftmaxType.VANILLA
     lse: bool = False
     max_logit: bool = False
+    # max_logit over the whole batch, [1, N], instead of per batch row, [B, N]. A backend may
+    # reduce in its kernel (sm90: one atomic max per head) or return [B, N]; the partitioner
+    # reduces what is left (partition.py), and the vmap fold asks for rows (batching.py).
+    max_logit_over_batch: bool = False
     # > 0: the caller's promise that each row of the segment ids is at most this
     # many contiguous segments, the same ones in the same order for queries and
     # keys (segments.py); a backend may then run them as ragged sequences.
@@ -182,8 +186,8 @@ class Call:
 
 
 class Fwd(NamedTuple):
-    """Forward results. lse f32 [B, N, T] and max_logit f32 [B, N] (per batch row;
-    the API reduces over B) are None unless requested in the options."""
+    """Forward results. lse f32 [B, N, T] and max_logit f32 [B, N] (per batch row), or [1, N]
+    (the max over the rows) when `options.max_logit_over_batch`, are None unless requested."""
 
     out: jax.Array
     lse: Optional[jax.Array] = None
@@ -248,6 +252,7 @@ FIELDS: dict[str, Axes] = {
     "dlse": Axes(BATCH, "b n t"),
     # Results.
     "max_logit": Axes(BATCH, "b n"),
+    "max_logit_over_batch": Axes(REPL, "_ n"),  # max_logit under options.max_logit_over_batch: [1, N]
     "dq": Axes(BATCH, "b t n h"),
     "dk": Axes(BATCH, "b s k h"),
     "dv": Axes(BATCH, "b s k d"),

@@ -265,6 +265,7 @@ def canonicalize(query: Any, key: Any, value: Any, bias: Any = None, mask: Any =
         mask=Mask(causal=causal, alignment=Alignment(causal_alignment), window_left=left, window_right=right),
         softcap=cap, dropout_rate=rate, softmax=SoftmaxType(softmax_type),
         lse=_check_bool(return_lse, "return_lse"), max_logit=_check_bool(return_max_logit, "return_max_logit"),
+        max_logit_over_batch=bool(return_max_logit),
         max_segments=max_segments,
         deterministic=_check_bool(deterministic_backward, "deterministic_backward"))
     call = Call(options, Operands(q, k, v, b, m, qlen, kvlen, qseg, kvseg, sink, seed))

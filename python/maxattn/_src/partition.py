@@ -13,8 +13,11 @@ each device runs the backend on its own block:
 
 max_logit comes out per (batch, head) [B, N], sharded like (batch, heads);
 the public API's max over axis 0 then makes XLA all-reduce (max) over the
-batch axes, so the result is the global max, sharded like the heads. Under CP
-the per-device call pmax-es over the cp axis itself. lse is sharded like q.
+batch axes, so the result is the global max, sharded like the heads. With
+`options.max_logit_over_batch` it comes out [1, N] instead: each device
+reduces its rows (unless the backend's kernel did) and pmax-es over the batch
+axes, sharded like the heads. Under CP the per-device call pmax-es over the cp
+axis itself. lse is sharded like q.
 A bias broadcast over batch (or heads) gets its gradient psum-ed over the
 batch (or head) axes.
 
@@ -38,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxattn._src import cp as cp_lib
 from maxattn._src.call import FIELDS, Call, Fwd, Grads, Operands, Saved
+from maxattn._src.cp.spec import pmax_nan
 from maxattn._src.warn import warn_once
 
 
@@ -205,9 +209,11 @@ def _field(name: str) -> str:
 
 
 def _result_fields(call: Call, forward: bool) -> tuple[str, ...]:
-    """The result fields the partitioned function returns (present ones only)."""
+    """The result fields the partitioned function returns (present ones only), named as in
+    `call.FIELDS` (max_logit reduced over the batch is "max_logit_over_batch")."""
     if forward:
-        return ("out",) + (("lse",) if call.options.lse else ()) + (("max_logit",) if call.options.max_logit else ())
+        mx = "max_logit_over_batch" if call.options.max_logit_over_batch else "max_logit"
+        return ("out",) + (("lse",) if call.options.lse else ()) + ((mx,) if call.options.max_logit else ())
     ops = call.operands
     return ("dq", "dk", "dv") + (("dbias",) if ops.bias is not None else ()) + \
         (("dsink",) if ops.sink_logits is not None else ())
@@ -216,7 +222,8 @@ def _result_fields(call: Call, forward: bool) -> tuple[str, ...]:
 def _result_shape(call: Call, field: str) -> tuple:
     ops = call.operands
     B, T, N = ops.query.shape[:3]
-    return {"out": (B, T, N, ops.value.shape[3]), "lse": (B, N, T), "max_logit": (B, N), "dq": ops.query.shape,
+    return {"out": (B, T, N, ops.value.shape[3]), "lse": (B, N, T), "max_logit": (B, N),
+            "max_logit_over_batch": (1, N), "dq": ops.query.shape,
             "dk": ops.key.shape, "dv": ops.value.shape, "dsink": (B, N),
             "dbias": None if ops.bias is None else ops.bias.shape}[field]
 
@@ -232,10 +239,12 @@ def _partitioned_fn(backend, cp, options, layout: _Layout, forward: bool) -> Cal
         return backend.forward(call) if forward else backend.backward(call, saved)
 
     def present(res):
-        return tuple(getattr(res, f) for f in res_fields)
+        return tuple(getattr(res, f.removesuffix("_over_batch")) for f in res_fields)
 
     def global_fn(*arrays):
-        return present(run(*_unflatten(options, layout, arrays)))
+        call, saved = _unflatten(options, layout, arrays)
+        res = run(call, saved)
+        return present(_max_logit_over_batch(res, call, ()) if forward else res)
 
     def specs(plan: _Plan, names, shapes):
         return tuple(plan.spec(_field(n), s) for n, s in zip(names, shapes))
@@ -248,8 +257,7 @@ def _partitioned_fn(backend, cp, options, layout: _Layout, forward: bool) -> Cal
                 cp_lib.backward(backend, call, cp, plan.cp_size, saved)
         else:
             res = run(call, saved)
-        if not forward:
-            res = _reduce_grads(res, plan, call)
+        res = _max_logit_over_batch(res, call, plan.batch) if forward else _reduce_grads(res, plan, call)
         return present(res)
 
     fn = custom_partitioning(global_fn)
@@ -273,6 +281,20 @@ def _partitioned_fn(backend, cp, options, layout: _Layout, forward: bool) -> Cal
     rule, sizes = _sharding_rule(probe, [_field(n) for n in layout.names], layout.shapes, res_fields, res_shapes)
     fn.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **sizes)
     return fn
+
+
+def _max_logit_over_batch(res: Fwd, call: Call, batch_axes: tuple) -> Fwd:
+    """With `options.max_logit_over_batch`: max_logit [B, N] -> [1, N] over this device's rows
+    (unless the backend reduced them) and over the mesh axes that shard the batch; NaN propagates."""
+    mx = res.max_logit
+    if mx is None or not call.options.max_logit_over_batch:
+        return res
+    if mx.shape[0] != 1:
+        mx = jnp.where(jnp.any(jnp.isnan(mx), axis=0, keepdims=True), jnp.nan,
+                       jnp.max(mx, axis=0, keepdims=True, initial=-jnp.inf))
+    if batch_axes:
+        mx = pmax_nan(mx, batch_axes)
+    return res._replace(max_logit=mx)
 
 
 def _reduce_grads(g: Grads, plan: _Plan, call: Call) -> Grads:

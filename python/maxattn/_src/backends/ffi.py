@@ -33,12 +33,13 @@ def _result(shape, dtype, present: bool = True) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape if present else (0,), dtype)
 
 
-def forward_result_types(call: Call) -> tuple:
-    """out [B, T, N, Hv] in the input dtype, lse [B, N, T] f32, max_logit [B, N] f32."""
+def forward_result_types(call: Call, max_logit_over_batch: bool = False) -> tuple:
+    """out [B, T, N, Hv] in the input dtype, lse [B, N, T] f32, max_logit [B, N] f32 ([1, N], the max
+    over the batch rows, with `max_logit_over_batch`: only targets that reduce in their kernel)."""
     q, v = call.operands.query, call.operands.value
     B, T, N, _ = q.shape
     return (_result((B, T, N, v.shape[3]), q.dtype), _result((B, N, T), jnp.float32, call.options.lse),
-            _result((B, N), jnp.float32, call.options.max_logit))
+            _result((1 if max_logit_over_batch else B, N), jnp.float32, call.options.max_logit))
 
 
 def backward_result_types(call: Call, dbias_shape: Optional[tuple], dbias_dtype) -> tuple:
@@ -56,9 +57,10 @@ def _saved_list(saved: Saved) -> list[jax.Array]:
     return [saved.out, saved.dout, saved.lse, dlse]
 
 
-def forward(target: str, call: Call, operands: Operands) -> Fwd:
-    """Runs forward target `target` on `operands` (the call's, in the backend's conventions)."""
-    out, lse, mx = jax.ffi.ffi_call(target, forward_result_types(call))(
+def forward(target: str, call: Call, operands: Operands, max_logit_over_batch: bool = False) -> Fwd:
+    """Runs forward target `target` on `operands` (the call's, in the backend's conventions);
+    `max_logit_over_batch`: the target reduces max_logit over the batch ([1, N])."""
+    out, lse, mx = jax.ffi.ffi_call(target, forward_result_types(call, max_logit_over_batch))(
         *operand_list(operands), **call.options.ffi_attributes())
     return Fwd(out, lse if call.options.lse else None, mx if call.options.max_logit else None)
 

@@ -107,7 +107,8 @@ class Sm90Backend:
 
     def forward(self, call: Call) -> Fwd:
         cudnn.module()  # registers the targets
-        return ffi.forward(FWD_TARGET, call, call.operands)
+        # One atomic max per head instead of per (batch row, head) when the rows are wanted reduced.
+        return ffi.forward(FWD_TARGET, call, call.operands, max_logit_over_batch=call.options.max_logit_over_batch)
 
     def backward(self, call: Call, saved: Saved) -> Grads:
         if _own_backward(call):

@@ -33,10 +33,12 @@ from maxattn._src.cp.spec import ContextParallel
 
 def block_options(options: Options, max_logit: bool) -> Options:
     """Every block call runs the vanilla softmax (the sink is applied after the
-    merge) and returns its lse (for the merge)."""
+    merge) and returns its lse (for the merge) and max_logit per batch row (the
+    partitioner reduces the merged rows)."""
     # A (query block, key block) pair is not a ragged layout of the rows'
     # segments: block calls use the dense segment-id rule (max_segments = 0).
-    return options.replace(softmax=SoftmaxType.VANILLA, lse=True, max_logit=max_logit, max_segments=0)
+    return options.replace(softmax=SoftmaxType.VANILLA, lse=True, max_logit=max_logit, max_logit_over_batch=False,
+                           max_segments=0)
 
 
 def apply_sink(out, lse, sink):
