@@ -29,41 +29,44 @@
 namespace maxattn::sm90 {
 
 using ::maxattn::AtomicMaxFloat;
-using ::maxattn::NanMax;
 
 template <class Config>
 struct Epilogue {
   using Element = typename Config::Element;
 
   // This warp's share of max_logit[b, n]: the raw row maxima times the scale,
-  // NaN for a row whose sum is NaN, reduced by shuffles to one atomic max per
-  // warp (also when the warp sees nothing: the buffer starts below -inf). The
-  // row maxima are final after the last softmax update, so the consumer calls
-  // this while its last P V GEMM runs (mainloop_consumer.h): its latency hides
-  // behind the tensor cores. The partial row sums suffice for the NaN test:
-  // the quad's four threads all enter the warp's reduction.
+  // NaN for a row whose sum is NaN, reduced by shuffles and a vote to one
+  // atomic max per warp (also when the warp sees nothing: the buffer starts
+  // below -inf). The row maxima are final after the last softmax update, so
+  // the consumer calls this while its last P V GEMM runs (mainloop_consumer.h):
+  // its latency hides behind the tensor cores. The partial row sums suffice for
+  // the NaN test: the quad's four threads all enter the vote.
   template <class Softmax, class TensorC>
   __device__ static void MaxLogit(const FwdArgs& args, const Tile& tile, const BlockMask& mask,
                                   const Softmax& softmax, const TensorC& oc, int consumer_tid) {
     using namespace cute;
     if (args.max_logit == nullptr) return;
     const int m0 = tile.m_block * Config::kBlockM;
+    // The row maxima are quad-uniform (QuadMax) and never NaN (fmaxf drops
+    // NaN); a NaN logit shows in the thread's partial row sum only. So the
+    // warp's max needs the three shuffles across quads, and its NaN one vote.
     float thread_max = -INFINITY;
+    bool nan = false;
     CUTE_UNROLL
     for (int r = 0; r < size<0>(oc); ++r) {
       if (m0 + get<0>(oc(r, 0)) >= mask.q_valid) continue;
       const float sum = softmax.row_sum[r];
-      float row_logit = softmax.row_max[r] * args.scale;
-      if (sum != sum && softmax.row_max[r] != INFINITY) row_logit = __int_as_float(0x7fffffff);
-      thread_max = NanMax(thread_max, row_logit);
+      nan |= sum != sum && softmax.row_max[r] != INFINITY;
+      thread_max = fmaxf(thread_max, softmax.row_max[r] * args.scale);
     }
+    nan = __any_sync(0xffffffffu, nan);
     CUTE_UNROLL
-    for (int offset = 16; offset > 0; offset /= 2) {
-      thread_max = NanMax(thread_max, __shfl_xor_sync(0xffffffffu, thread_max, offset));
+    for (int offset = 16; offset >= 4; offset /= 2) {
+      thread_max = fmaxf(thread_max, __shfl_xor_sync(0xffffffffu, thread_max, offset));
     }
     if (consumer_tid % 32 == 0) {
       AtomicMaxFloat(args.max_logit + static_cast<int64_t>(tile.batch) * args.max_logit_row_stride + tile.head,
-                     thread_max);
+                     nan ? __int_as_float(0x7fffffff) : thread_max);
     }
   }
 
