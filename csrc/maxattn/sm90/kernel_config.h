@@ -49,10 +49,16 @@ constexpr bool IsPersistent(int variant) { return variant == kPersistent || vari
 #endif
 constexpr int kSm90H128Variant = MAXATTN_SM90_H128_VARIANT;
 constexpr int kSm90H128SoftcapVariant = MAXATTN_SM90_H128_SOFTCAP_VARIANT;
+// The H=64 loop without a soft cap (-DMAXATTN_SM90_H64_VARIANT=n for experiments).
+#ifndef MAXATTN_SM90_H64_VARIANT
+#define MAXATTN_SM90_H64_VARIANT kOverlap
+#endif
+constexpr int kSm90H64Variant = MAXATTN_SM90_H64_VARIANT;
 
 // Whether a kernel for a head dim (with or without a soft cap) takes its tiles from FwdArgs::tile_counter.
 constexpr bool UsesTileCounter(int head_dim) {
-  return head_dim == 128 && (IsPersistent(kSm90H128Variant) || IsPersistent(kSm90H128SoftcapVariant));
+  return (head_dim == 128 && (IsPersistent(kSm90H128Variant) || IsPersistent(kSm90H128SoftcapVariant))) ||
+         (head_dim == 64 && IsPersistent(kSm90H64Variant));
 }
 
 // Keys per tile for a head dim (the host sizes the segment summaries with it).
