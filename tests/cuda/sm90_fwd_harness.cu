@@ -478,7 +478,8 @@ void Perf(int only_shape, float softcap, int docs, bool sinks) {
   struct Shape { int B, T, N, K, H; bool causal; };
   const Shape shapes[] = {{4, 2048, 32, 32, 128, true}, {4, 2048, 32, 32, 128, false},
                           {2, 8192, 16, 16, 128, true}, {4, 4096, 32, 8, 128, true},
-                          {8, 2048, 16, 16, 64, true},  {16, 1024, 16, 16, 128, true}};
+                          {8, 2048, 16, 16, 64, true},  {16, 1024, 16, 16, 128, true},
+                          {4, 2048, 16, 16, 256, true}};
   if (softcap > 0) std::printf("\nsoft cap %g", softcap);
   if (docs > 0) std::printf("\n%d documents per row (segment ids)", docs);
   if (sinks) std::printf("\nsinks (off-by-one)");

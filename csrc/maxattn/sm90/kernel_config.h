@@ -57,11 +57,16 @@ constexpr int kSm90H128SoftcapVariant = MAXATTN_SM90_H128_SOFTCAP_VARIANT;
 #define MAXATTN_SM90_H64_VARIANT kPersistent
 #endif
 constexpr int kSm90H64Variant = MAXATTN_SM90_H64_VARIANT;
+// The H=256 loop without a soft cap (-DMAXATTN_SM90_H256_VARIANT=n for experiments).
+#ifndef MAXATTN_SM90_H256_VARIANT
+#define MAXATTN_SM90_H256_VARIANT kOverlap
+#endif
+constexpr int kSm90H256Variant = MAXATTN_SM90_H256_VARIANT;
 
 // Whether a kernel for a head dim (with or without a soft cap) takes its tiles from FwdArgs::tile_counter.
 constexpr bool UsesTileCounter(int head_dim) {
   return (head_dim == 128 && (IsPersistent(kSm90H128Variant) || IsPersistent(kSm90H128SoftcapVariant))) ||
-         (head_dim == 64 && IsPersistent(kSm90H64Variant));
+         (head_dim == 64 && IsPersistent(kSm90H64Variant)) || (head_dim == 256 && IsPersistent(kSm90H256Variant));
 }
 
 // Keys per tile for a head dim (the host sizes the segment summaries with it).
@@ -133,8 +138,9 @@ struct FwdConfig {
                                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
   // Persistent grids stage the normalised O in shared memory and store it by TMA, one 64-row
-  // half per consumer warpgroup (epilogue.h); the others store from registers.
-  static constexpr bool kTmaStoreOut = kPersistentGrid;
+  // half per consumer warpgroup (epilogue.h); the others store from registers, and so does
+  // H=256, whose 64 KB of staging do not fit next to Q (64 KB) and the K/V stages (128 KB).
+  static constexpr bool kTmaStoreOut = kPersistentGrid && kHeadDim <= 128;
   using WarpgroupRows = cute::Int<kBlockM / kConsumerWarpgroups>;
   using SmemLayoutOHalf = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<WarpgroupRows, HeadDim>{}));
   static constexpr int kSmemOHalfElems = cute::cosize_v<SmemLayoutOHalf>;

@@ -60,9 +60,11 @@ Status DispatchHeadDim(const AttentionShape& shape, const sm90::FwdArgs& args, c
       return bf16 ? LaunchForward<128, cutlass::bfloat16_t, kVariant, kSoftcap>(args, q, k, v, stream)
                   : LaunchForward<128, cutlass::half_t, kVariant, kSoftcap>(args, q, k, v, stream);
     }
-    case 256:
-      return bf16 ? LaunchForward<256, cutlass::bfloat16_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream)
-                  : LaunchForward<256, cutlass::half_t, sm90::kOverlap, kSoftcap>(args, q, k, v, stream);
+    case 256: {
+      constexpr int kVariant = kSoftcap ? sm90::kOverlap : sm90::kSm90H256Variant;
+      return bf16 ? LaunchForward<256, cutlass::bfloat16_t, kVariant, kSoftcap>(args, q, k, v, stream)
+                  : LaunchForward<256, cutlass::half_t, kVariant, kSoftcap>(args, q, k, v, stream);
+    }
     default:
       return Status::Internal("sm90 attention: no kernel for head_dim " + std::to_string(shape.head_dim));
   }
