@@ -28,8 +28,8 @@ namespace maxattn::sm90 {
 // kPersistent / kPersistentPingPong (kOverlap / kPingPong in a persistent CTA
 // that takes its tiles one after another from a global counter,
 // tile_scheduler.h). Instantiated: H=128 kSm90H128Variant (kSm90H128SoftcapVariant
-// with a soft cap), H=64 kSm90H64Variant (kOverlap with a soft cap), H=256
-// kOverlap (sm90_attention.cu). The others passed the harness but were slower,
+// with a soft cap), H=64 kSm90H64Variant and H=256 kSm90H256Variant (kOverlap with a
+// soft cap; sm90_attention.cu). The others passed the harness but were slower,
 // so they are not compiled (see NOTES.md).
 enum ConsumerVariant : int { kPlain = 0, kOverlap = 1, kPingPong = 2, kPersistent = 3, kPersistentPingPong = 4 };
 
@@ -57,9 +57,11 @@ constexpr int kSm90H128SoftcapVariant = MAXATTN_SM90_H128_SOFTCAP_VARIANT;
 #define MAXATTN_SM90_H64_VARIANT kPersistent
 #endif
 constexpr int kSm90H64Variant = MAXATTN_SM90_H64_VARIANT;
-// The H=256 loop without a soft cap (-DMAXATTN_SM90_H256_VARIANT=n for experiments).
+// The H=256 loop without a soft cap: persistent overlap (out stored from registers), 9%
+// faster than the static grid on the harness's H=256 row (H100, NOTES.md "Eighth session").
+// -DMAXATTN_SM90_H256_VARIANT=n overrides it for experiments.
 #ifndef MAXATTN_SM90_H256_VARIANT
-#define MAXATTN_SM90_H256_VARIANT kOverlap
+#define MAXATTN_SM90_H256_VARIANT kPersistent
 #endif
 constexpr int kSm90H256Variant = MAXATTN_SM90_H256_VARIANT;
 
