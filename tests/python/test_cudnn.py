@@ -44,6 +44,9 @@ CASES = {
     "fp16_causal": (2, 128, 128, 4, 2, 64, 64, jnp.float16, {"is_causal": True}, None),
     "fp16_bias_padding": (2, 128, 128, 4, 4, 128, 128, jnp.float16,
                           {"query_seq_lengths": [77, 128], "key_value_seq_lengths": [128, 101]}, "1NTS"),
+    "h256_causal_gqa_padding": (2, 200, 200, 4, 2, 256, 256, jnp.bfloat16,
+                                {"is_causal": True, "query_seq_lengths": [200, 77],
+                                 "key_value_seq_lengths": [200, 130]}, None),
 }
 
 
