@@ -178,7 +178,7 @@ int main() {
   failures += CheckWarpgroupUniformOperands<BwdConfig<128, cutlass::half_t, true>>();
   using maxattn::sm90::FwdConfig;
   failures += CheckForwardOperands<FwdConfig<64, cutlass::bfloat16_t, maxattn::sm90::kOverlap, false>>();
-  failures += CheckForwardOperands<FwdConfig<128, cutlass::bfloat16_t, maxattn::sm90::kSm90H128Variant, false>>();
+  failures += CheckForwardOperands<FwdConfig<128, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(128, false), false>>();
   failures += CheckForwardOperands<FwdConfig<256, cutlass::bfloat16_t, maxattn::sm90::kOverlap, true>>();
   failures += CheckForwardTileOrder();
   return failures == 0 ? 0 : 1;

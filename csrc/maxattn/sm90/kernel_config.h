@@ -27,48 +27,49 @@ namespace maxattn::sm90 {
 // and the two consumer warpgroups take turns issuing their GEMMs),
 // kPersistent / kPersistentPingPong (kOverlap / kPingPong in a persistent CTA
 // that takes its tiles one after another from a global counter,
-// tile_scheduler.h). Instantiated: H=128 kSm90H128Variant (kSm90H128SoftcapVariant
-// with a soft cap), H=64 kSm90H64Variant and H=256 kSm90H256Variant (kOverlap with a
-// soft cap; sm90_attention.cu). The others passed the harness but were slower,
-// so they are not compiled (see NOTES.md).
+// tile_scheduler.h). Instantiated: ForwardVariant(head dim, soft cap) below, one
+// loop per (head dim, soft cap); the others passed the harness but were slower, so
+// they are not compiled (see NOTES.md).
 enum ConsumerVariant : int { kPlain = 0, kOverlap = 1, kPingPong = 2, kPersistent = 3, kPersistentPingPong = 4 };
 
 constexpr bool IsPersistent(int variant) { return variant == kPersistent || variant == kPersistentPingPong; }
 
-// The H=128 loops (the only head dim whose loop choice was measured to matter):
-// persistent overlap without a soft cap, fastest on every such row of NOTES.md;
-// persistent ping-pong with one, where the two MUFU ops per score entry make the
-// softmax longer than a warpgroup's GEMMs and the turns keep the tensor cores fed
-// (11% faster than overlap on an H100, NOTES.md). -DMAXATTN_SM90_H128_VARIANT=n and
-// -DMAXATTN_SM90_H128_SOFTCAP_VARIANT=n override them for experiments.
+// The loop of each forward instance (NOTES.md has the measurements):
+// - persistent overlap without a soft cap at every head dim: at H=128 the fastest on
+//   every row; at H=64 11% faster than the static grid (persistent ping-pong 4% behind
+//   it), at H=256 9% faster (H100, "Eighth session");
+// - with a soft cap, persistent ping-pong at H=128, where the two MUFU ops per score
+//   entry make the softmax longer than a warpgroup's GEMMs and the turns keep the
+//   tensor cores fed (11% faster than overlap on an H100); the static-grid overlap
+//   loop at H=64 and H=256 (the persistent loops not yet measured there).
+// -DMAXATTN_SM90_H<64|128|256>[_SOFTCAP]_VARIANT=n overrides one for experiments.
+#ifndef MAXATTN_SM90_H64_VARIANT
+#define MAXATTN_SM90_H64_VARIANT kPersistent
+#endif
+#ifndef MAXATTN_SM90_H64_SOFTCAP_VARIANT
+#define MAXATTN_SM90_H64_SOFTCAP_VARIANT kOverlap
+#endif
 #ifndef MAXATTN_SM90_H128_VARIANT
 #define MAXATTN_SM90_H128_VARIANT kPersistent
 #endif
 #ifndef MAXATTN_SM90_H128_SOFTCAP_VARIANT
 #define MAXATTN_SM90_H128_SOFTCAP_VARIANT kPersistentPingPong
 #endif
-constexpr int kSm90H128Variant = MAXATTN_SM90_H128_VARIANT;
-constexpr int kSm90H128SoftcapVariant = MAXATTN_SM90_H128_SOFTCAP_VARIANT;
-// The H=64 loop without a soft cap: persistent overlap, 11% faster than the
-// static-grid overlap loop and 4% faster than persistent ping-pong on the
-// harness's H=64 row (H100, NOTES.md "Eighth session"). -DMAXATTN_SM90_H64_VARIANT=n
-// overrides it for experiments.
-#ifndef MAXATTN_SM90_H64_VARIANT
-#define MAXATTN_SM90_H64_VARIANT kPersistent
-#endif
-constexpr int kSm90H64Variant = MAXATTN_SM90_H64_VARIANT;
-// The H=256 loop without a soft cap: persistent overlap (out stored from registers), 9%
-// faster than the static grid on the harness's H=256 row (H100, NOTES.md "Eighth session").
-// -DMAXATTN_SM90_H256_VARIANT=n overrides it for experiments.
 #ifndef MAXATTN_SM90_H256_VARIANT
 #define MAXATTN_SM90_H256_VARIANT kPersistent
 #endif
-constexpr int kSm90H256Variant = MAXATTN_SM90_H256_VARIANT;
+#ifndef MAXATTN_SM90_H256_SOFTCAP_VARIANT
+#define MAXATTN_SM90_H256_SOFTCAP_VARIANT kOverlap
+#endif
+constexpr int ForwardVariant(int head_dim, bool softcap) {
+  if (head_dim == 64) return softcap ? MAXATTN_SM90_H64_SOFTCAP_VARIANT : MAXATTN_SM90_H64_VARIANT;
+  if (head_dim == 128) return softcap ? MAXATTN_SM90_H128_SOFTCAP_VARIANT : MAXATTN_SM90_H128_VARIANT;
+  return softcap ? MAXATTN_SM90_H256_SOFTCAP_VARIANT : MAXATTN_SM90_H256_VARIANT;
+}
 
 // Whether a kernel for a head dim (with or without a soft cap) takes its tiles from FwdArgs::tile_counter.
 constexpr bool UsesTileCounter(int head_dim) {
-  return (head_dim == 128 && (IsPersistent(kSm90H128Variant) || IsPersistent(kSm90H128SoftcapVariant))) ||
-         (head_dim == 64 && IsPersistent(kSm90H64Variant)) || (head_dim == 256 && IsPersistent(kSm90H256Variant));
+  return IsPersistent(ForwardVariant(head_dim, false)) || IsPersistent(ForwardVariant(head_dim, true));
 }
 
 // Keys per tile for a head dim (the host sizes the segment summaries with it).

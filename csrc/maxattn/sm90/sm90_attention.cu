@@ -49,22 +49,22 @@ Status DispatchHeadDim(const AttentionShape& shape, const sm90::FwdArgs& args, c
   using sm90::LaunchForward;
   const bool bf16 = inputs.dtype == DType::kBFloat16;
   const void *q = inputs.q, *k = inputs.k, *v = inputs.v;
-  switch (shape.head_dim) {
-    case 64: {
-      constexpr int kVariant = kSoftcap ? sm90::kOverlap : sm90::kSm90H64Variant;
-      return bf16 ? LaunchForward<64, cutlass::bfloat16_t, kVariant, kSoftcap>(args, q, k, v, stream)
-                  : LaunchForward<64, cutlass::half_t, kVariant, kSoftcap>(args, q, k, v, stream);
-    }
-    case 128: {  // the fastest H=128 loops, without and with a soft cap (kernel_config.h, NOTES.md)
-      constexpr int kVariant = kSoftcap ? sm90::kSm90H128SoftcapVariant : sm90::kSm90H128Variant;
-      return bf16 ? LaunchForward<128, cutlass::bfloat16_t, kVariant, kSoftcap>(args, q, k, v, stream)
-                  : LaunchForward<128, cutlass::half_t, kVariant, kSoftcap>(args, q, k, v, stream);
-    }
-    case 256: {
-      constexpr int kVariant = kSoftcap ? sm90::kOverlap : sm90::kSm90H256Variant;
-      return bf16 ? LaunchForward<256, cutlass::bfloat16_t, kVariant, kSoftcap>(args, q, k, v, stream)
-                  : LaunchForward<256, cutlass::half_t, kVariant, kSoftcap>(args, q, k, v, stream);
-    }
+  switch (shape.head_dim) {  // the loop of each instance: kernel_config.h
+    case 64:
+      return bf16 ? LaunchForward<64, cutlass::bfloat16_t, sm90::ForwardVariant(64, kSoftcap), kSoftcap>(args, q, k,
+                                                                                                       v, stream)
+                  : LaunchForward<64, cutlass::half_t, sm90::ForwardVariant(64, kSoftcap), kSoftcap>(args, q, k, v,
+                                                                                                   stream);
+    case 128:
+      return bf16 ? LaunchForward<128, cutlass::bfloat16_t, sm90::ForwardVariant(128, kSoftcap), kSoftcap>(args, q, k,
+                                                                                                         v, stream)
+                  : LaunchForward<128, cutlass::half_t, sm90::ForwardVariant(128, kSoftcap), kSoftcap>(args, q, k, v,
+                                                                                                     stream);
+    case 256:
+      return bf16 ? LaunchForward<256, cutlass::bfloat16_t, sm90::ForwardVariant(256, kSoftcap), kSoftcap>(args, q, k,
+                                                                                                         v, stream)
+                  : LaunchForward<256, cutlass::half_t, sm90::ForwardVariant(256, kSoftcap), kSoftcap>(args, q, k, v,
+                                                                                                     stream);
     default:
       return Status::Internal("sm90 attention: no kernel for head_dim " + std::to_string(shape.head_dim));
   }
