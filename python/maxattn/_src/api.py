@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from maxattn._src import backends, reference, stack
 from maxattn._src.call import Call
 from maxattn._src.canonicalize import canonicalize, check_implementation
+from maxattn._src.cp.spec import max_nan
 from maxattn._src.warn import warn_once
 
 Implementation = Literal["cpu", "cudnn", "sm90", "xla"]
@@ -261,9 +262,8 @@ def dot_product_attention(
     if options.max_logit:
         if mx.shape[0] == 1:  # reduced over the batch already (options.max_logit_over_batch): no XLA kernel
             batch_max = mx[0]
-        else:  # the reference path: NaN-propagating max (XLA's CPU reduction may not propagate NaN)
-            batch_max = jnp.max(mx, axis=0, initial=-jnp.inf)
-            batch_max = jnp.where(jnp.any(jnp.isnan(mx), axis=0), jnp.nan, batch_max)
+        else:  # per batch row (the reference path)
+            batch_max = max_nan(mx, axis=0)
         aux["max_logit"] = jax.lax.stop_gradient(batch_max.astype(jnp.float32))
     if options.lse:
         aux["lse"] = lse

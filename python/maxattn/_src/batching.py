@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from maxattn._src.call import BATCH, BCAST, FIELDS, REPL, Call, Operands, Saved
+from maxattn._src.cp.spec import max_nan
 
 
 def _present(call: Call, saved: Optional[Saved]) -> tuple[tuple[str, ...], list]:
@@ -120,8 +121,7 @@ def fold(fn: Callable[..., NamedTuple]) -> Callable[..., NamedTuple]:
                     continue
                 o = o.reshape((axis_size, batch) + o.shape[1:])
                 if field == "max_logit" and over_batch:
-                    o = jnp.where(jnp.any(jnp.isnan(o), axis=1, keepdims=True), jnp.nan,
-                                  jnp.max(o, axis=1, keepdims=True, initial=-jnp.inf))
+                    o = max_nan(o, axis=1, keepdims=True)
                 if field is not None and FIELDS[field].role == BCAST:
                     # Summed over the batch when the operand it mirrors was broadcast over it.
                     src = names.index("bias")

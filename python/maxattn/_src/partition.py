@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxattn._src import cp as cp_lib
 from maxattn._src.call import FIELDS, Call, Fwd, Grads, Operands, Saved
-from maxattn._src.cp.spec import pmax_nan
+from maxattn._src.cp.spec import max_nan, pmax_nan
 from maxattn._src.warn import warn_once
 
 
@@ -290,8 +290,7 @@ def _max_logit_over_batch(res: Fwd, call: Call, batch_axes: tuple) -> Fwd:
     if mx is None or not call.options.max_logit_over_batch:
         return res
     if mx.shape[0] != 1:
-        mx = jnp.where(jnp.any(jnp.isnan(mx), axis=0, keepdims=True), jnp.nan,
-                       jnp.max(mx, axis=0, keepdims=True, initial=-jnp.inf))
+        mx = max_nan(mx, axis=0, keepdims=True)
     if batch_axes:
         mx = pmax_nan(mx, batch_axes)
     return res._replace(max_logit=mx)

@@ -70,6 +70,12 @@ def check_sizes(cp: ContextParallel, cp_size: int, T: int, S: int) -> None:
                              f"{cp.axis!r} (= {per})")
 
 
+def max_nan(x, axis: int, keepdims: bool = False):
+    """`jnp.max` over `axis` that propagates NaN (XLA's CPU reduction need not); -inf when empty."""
+    top = jnp.max(x, axis=axis, keepdims=keepdims, initial=-jnp.inf)
+    return jnp.where(jnp.any(jnp.isnan(x), axis=axis, keepdims=keepdims), jnp.nan, top)
+
+
 def pmax_nan(x, axis):
     """`lax.pmax` that propagates NaN: a collective max need not, and max_logit must."""
     any_nan = lax.pmax(jnp.isnan(x).astype(jnp.int32), axis) > 0
