@@ -43,28 +43,25 @@ Status FillEmptyLse(float* lse, const float* sink, int64_t B, int64_t N, int64_t
   return CudaStatus(cudaGetLastError(), "sink lse fill kernel launch");
 }
 
+// The instance for one head dim and soft cap, in the input's element type; its loop is
+// ForwardVariant's choice (kernel_config.h).
+template <int kHeadDim, bool kSoftcap>
+Status LaunchInstance(bool bf16, const sm90::FwdArgs& args, const AttentionInputs& inputs, cudaStream_t stream) {
+  constexpr int kVariant = sm90::ForwardVariant(kHeadDim, kSoftcap);
+  return bf16 ? sm90::LaunchForward<kHeadDim, cutlass::bfloat16_t, kVariant, kSoftcap>(args, inputs.q, inputs.k,
+                                                                                     inputs.v, stream)
+              : sm90::LaunchForward<kHeadDim, cutlass::half_t, kVariant, kSoftcap>(args, inputs.q, inputs.k,
+                                                                                 inputs.v, stream);
+}
+
 template <bool kSoftcap>
 Status DispatchHeadDim(const AttentionShape& shape, const sm90::FwdArgs& args, const AttentionInputs& inputs,
                        cudaStream_t stream) {
-  using sm90::LaunchForward;
   const bool bf16 = inputs.dtype == DType::kBFloat16;
-  const void *q = inputs.q, *k = inputs.k, *v = inputs.v;
-  switch (shape.head_dim) {  // the loop of each instance: kernel_config.h
-    case 64:
-      return bf16 ? LaunchForward<64, cutlass::bfloat16_t, sm90::ForwardVariant(64, kSoftcap), kSoftcap>(args, q, k,
-                                                                                                       v, stream)
-                  : LaunchForward<64, cutlass::half_t, sm90::ForwardVariant(64, kSoftcap), kSoftcap>(args, q, k, v,
-                                                                                                   stream);
-    case 128:
-      return bf16 ? LaunchForward<128, cutlass::bfloat16_t, sm90::ForwardVariant(128, kSoftcap), kSoftcap>(args, q, k,
-                                                                                                         v, stream)
-                  : LaunchForward<128, cutlass::half_t, sm90::ForwardVariant(128, kSoftcap), kSoftcap>(args, q, k, v,
-                                                                                                     stream);
-    case 256:
-      return bf16 ? LaunchForward<256, cutlass::bfloat16_t, sm90::ForwardVariant(256, kSoftcap), kSoftcap>(args, q, k,
-                                                                                                         v, stream)
-                  : LaunchForward<256, cutlass::half_t, sm90::ForwardVariant(256, kSoftcap), kSoftcap>(args, q, k, v,
-                                                                                                     stream);
+  switch (shape.head_dim) {
+    case 64: return LaunchInstance<64, kSoftcap>(bf16, args, inputs, stream);
+    case 128: return LaunchInstance<128, kSoftcap>(bf16, args, inputs, stream);
+    case 256: return LaunchInstance<256, kSoftcap>(bf16, args, inputs, stream);
     default:
       return Status::Internal("sm90 attention: no kernel for head_dim " + std::to_string(shape.head_dim));
   }
