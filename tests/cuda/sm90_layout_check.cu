@@ -96,7 +96,8 @@ int CheckForwardOperands() {
   typename Config::TiledMmaS mma_s;
   typename Config::TiledMmaO mma_o;
   char what[32];
-  std::snprintf(what, sizeof(what), "forward H=%d", Config::kHeadDim);
+  std::snprintf(what, sizeof(what), "forward H=%d%s loop %d", Config::kHeadDim, Config::kSoftcap ? " soft cap" : "",
+                Config::kVariant);
   UniformityCheck check{what};
   for (int t = 0; t < Config::kConsumerThreads; ++t) {
     const int first = t / 128 * 128;
@@ -111,7 +112,7 @@ int CheckForwardOperands() {
     std::printf("  forward H=%d S A: both warpgroups got the same query rows\n", Config::kHeadDim);
     ++check.mismatches;
   }
-  std::printf("forward H=%d: operand partitions warpgroup-uniform: %s\n", Config::kHeadDim,
+  std::printf("%s: operand partitions warpgroup-uniform: %s\n", what,
               check.mismatches == 0 ? "ok" : "FAILED");
   return check.mismatches;
 }
@@ -177,9 +178,10 @@ int main() {
   failures += CheckWarpgroupUniformOperands<BwdConfig<64, cutlass::bfloat16_t>>();
   failures += CheckWarpgroupUniformOperands<BwdConfig<128, cutlass::half_t, true>>();
   using maxattn::sm90::FwdConfig;
-  failures += CheckForwardOperands<FwdConfig<64, cutlass::bfloat16_t, maxattn::sm90::kOverlap, false>>();
+  failures += CheckForwardOperands<FwdConfig<64, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(64, false), false>>();
   failures += CheckForwardOperands<FwdConfig<128, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(128, false), false>>();
-  failures += CheckForwardOperands<FwdConfig<256, cutlass::bfloat16_t, maxattn::sm90::kOverlap, true>>();
+  failures += CheckForwardOperands<FwdConfig<256, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(256, false), false>>();
+  failures += CheckForwardOperands<FwdConfig<256, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(256, true), true>>();
   failures += CheckForwardTileOrder();
   return failures == 0 ? 0 : 1;
 }
