@@ -23,10 +23,10 @@ _MODULES = {
 _AUTO = {"cpu": ("cpu",), "gpu": ("cudnn", "sm90"), "cuda": ("cudnn", "sm90")}
 # Where both run, our Hopper kernels come first at head dim 128: there they match cuDNN's forward and
 # forward+backward by device time and reduce max_logit inside the kernel (H100, 2026-12-06,
-# bench/RESULTS.md). cuDNN's kernels are faster at 256 (forward 253 us against 287 at
-# (4,2048,16,16,256) causal, same H100 run) and, by older runs on other machines, at 64. Segment ids
-# go to sm90 at every head dim: cuDNN folds them into an O(T*S) dense bias (10x slower at T = 8192)
-# unless max_segments_per_row promises its ragged layout.
+# bench/RESULTS.md). cuDNN's forward is faster at 64 and 256 (187 us against 200 at
+# (8,2048,16,16,64) causal, 255 against 266 at (4,2048,16,16,256) causal; one H100 run), and so is
+# its backward at 64. Segment ids go to sm90 at every head dim: cuDNN folds them into an O(T*S)
+# dense bias (10x slower at T = 8192) unless max_segments_per_row promises its ragged layout.
 _SM90_FIRST_HEAD_DIMS = (128,)
 
 
