@@ -217,13 +217,21 @@ struct SoftmaxGrad {
           prob = Exp2Approx(fmaf(t, k.cap_log2, -lse2[c]));
           if constexpr (kMasked) prob = x == -INFINITY ? 0.0f : prob;
           s(r, c) = prob * fmaf(-t, t, 1.0f);
+          p(r, c) = static_cast<Element>(prob);
         } else {
           prob = Exp2Approx(fmaf(x, k.scale_log2, -lse2[c]));
           if constexpr (kMasked) prob = x == -INFINITY ? 0.0f : prob;
           s(r, c) = prob;
         }
-        p(r, c) = static_cast<Element>(prob);
       }
+    }
+    // Without a cap s holds P itself: converted in the registers' own order, neighbouring
+    // elements (two columns of one row) pack into one 32-bit register as the dV GEMM reads
+    // them. Converted in the loop's column-major order above, the compiler paired rows r and
+    // r + 8 and re-paired them with 16 PRMTs per step.
+    if constexpr (!kSoftcap) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(s); ++i) p.data()[i] = static_cast<Element>(s.data()[i]);
     }
   }
 
