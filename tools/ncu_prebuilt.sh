@@ -49,7 +49,7 @@ rows = [r for r in csv.reader(l for l in open(path) if l.startswith('"'))]
 head, body = rows[0], rows[1:]
 col = {k: i for i, k in enumerate(head)}
 t, inst = {}, {}
-scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 for r in body:
     launch = int(r[col["ID"]])
     metric, value = r[col["Metric Name"]], float(r[col["Metric Value"]].replace(",", ""))
