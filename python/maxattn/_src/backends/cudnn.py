@@ -25,7 +25,12 @@ Arranged here before the FFI call (`_as_cudnn_sees_it`):
   * a non-zero lse cotangent: cuDNN's backward has no input for it, so it is
     folded into an extra value column: with o' = [o, -dlse], do' = [do, 1] and
     v' = [v, 0], cuDNN's D = rowsum(do' * o') becomes rowsum(do * o) - dlse,
-    which is exactly the lse term of the softmax gradient.
+    which is exactly the lse term of the softmax gradient. Where the widened
+    value head dim is past cuDNN's limit (Hv > 248), the lse term is a second
+    backward call of its own instead, with those columns as its only value
+    columns (o'' = [-dlse, 0], do'' = [1, 0], v'' = 0, so dP'' = 0 and dS'' =
+    P * dlse); its dq, dk, dbias and dsink add to the first call's. It costs
+    the score-side GEMMs a second time.
 """
 
 from __future__ import annotations
@@ -165,26 +170,40 @@ class CudnnBackend:
         q, v = ops.query, ops.value
         dtype, Hv = q.dtype, v.shape[3]
         out, dout = saved.out, saved.dout.astype(dtype)
+        lse_term = None  # the lse cotangent's gradients from a call of their own
         if saved.dlse is not None:
-            # Fold the lse cotangent into an extra value column (see the module docstring).
+            # The lse cotangent as value columns (see the module docstring).
             B, T, N, _ = q.shape
             col = -jnp.transpose(saved.dlse.astype(jnp.float32), (0, 2, 1))[..., None]  # [B, T, N, 1]
             pad_o = jnp.concatenate([col, jnp.zeros((B, T, N, _DLSE_COLUMNS - 1), jnp.float32)], -1).astype(dtype)
             pad_do = jnp.zeros((B, T, N, _DLSE_COLUMNS), dtype).at[..., 0].set(1)
-            out = jnp.concatenate([out, pad_o], -1)
-            dout = jnp.concatenate([dout, pad_do], -1)
-            call = call.replace(value=jnp.concatenate([v, jnp.zeros(v.shape[:3] + (_DLSE_COLUMNS,), dtype)], -1))
+            pad_v = jnp.zeros(v.shape[:3] + (_DLSE_COLUMNS,), dtype)
+            widened = call.replace(value=jnp.concatenate([v, pad_v], -1))
+            if self.unsupported_reason(widened) is None:
+                out = jnp.concatenate([out, pad_o], -1)
+                dout = jnp.concatenate([dout, pad_do], -1)
+                call = widened
+            else:
+                alone = call.replace(value=pad_v)
+                lse_term = ffi.backward(BWD_TARGET, alone, _as_cudnn_sees_it(alone).operands,
+                                        Saved(pad_o, saved.lse, pad_do, None), dtype)
         g = ffi.backward(BWD_TARGET, call, _as_cudnn_sees_it(call).operands, Saved(out, saved.lse, dout, None),
                          dtype)
-        dq, dk, dv, dbias = g.dq, g.dk, g.dv, g.dbias
+        dq, dk, dv, dbias, dsink = g.dq, g.dk, g.dv, g.dbias, g.dsink
         dv = dv[..., :Hv]
+        if lse_term is not None:
+            def add(a, b):
+                return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
+            dq, dk = add(dq, lse_term.dq), add(dk, lse_term.dk)
+            dbias = None if dbias is None else add(dbias, lse_term.dbias)
+            dsink = None if dsink is None else add(dsink, lse_term.dsink)
         if dbias is not None:
             # cuDNN's dbias has the folded bias's shape; sum it over the axes the user's bias broadcasts.
             axes = tuple(a for a in range(4) if ops.bias.shape[a] == 1 and dbias.shape[a] != 1)
             dbias = dbias.astype(jnp.float32)
             if axes:
                 dbias = jnp.sum(dbias, axis=axes, keepdims=True)
-        return Grads(dq, dk, dv, dbias, g.dsink)
+        return Grads(dq, dk, dv, dbias, dsink)
 
 
 BACKEND = CudnnBackend()
