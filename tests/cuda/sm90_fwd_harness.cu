@@ -2,7 +2,7 @@
 // against a float64 CPU reference over a matrix of cases, then timings.
 //
 //   sm90_fwd_harness            all cases, then the timed shapes
-//   sm90_fwd_harness --small    three small cases, no timing (for compute-sanitizer)
+//   sm90_fwd_harness --small    five small cases, no timing (for compute-sanitizer)
 //   sm90_fwd_harness --no-perf  all cases, no timing
 //   sm90_fwd_harness --perf-only [--shape I] [--softcap X] [--segments D] [--sinks]
 //                               timings only (of timed shape I alone; with a soft cap;
@@ -463,6 +463,14 @@ std::vector<Case> SmallCases() {
   a.kv_lens = {200, 190};
   v.push_back(a);
   v.push_back({"small h64 window", 1, 130, 140, 2, 2, 64, DType::kFloat16, false, false, 20, 10});
+  // The persistent H = 256 kernel (out stored from registers) and the capped persistent H = 64 loop.
+  Case h{"small h256 causal padding", 2, 140, 200, 2, 1, 256, DType::kBFloat16, true, true};
+  h.q_lens = {140, 60};
+  h.kv_lens = {200, 170};
+  v.push_back(h);
+  Case c{"small h64 softcap causal", 1, 150, 150, 2, 2, 64, DType::kBFloat16, true};
+  c.softcap = 30.0f;
+  v.push_back(c);
   Case s{"small h128 segments", 2, 200, 200, 2, 2, 128, DType::kBFloat16, true};
   AppendRuns(s.q_seg, {1, 128, 71}, {1, 2, 3});
   AppendRuns(s.q_seg, {20, 180}, {0, 4});
