@@ -68,6 +68,36 @@ constexpr int ForwardVariant(int head_dim, bool softcap) {
   return softcap ? MAXATTN_SM90_H256_SOFTCAP_VARIANT : MAXATTN_SM90_H256_VARIANT;
 }
 
+// How many of every 4 columns of a thread's score tile the forward's softmax exponentiates on the
+// FMA pipe (Exp2Poly, softmax.h) instead of the MUFU unit, per instance. A soft cap adds a second
+// MUFU op per score entry (tanh): at H=128, 2 of 4 on the FMA pipe are 3.0-3.7% faster on all four
+// timed rows (ncu, H100, "Ninth session"); at H=64 and H=256 they are 4% and 6% slower (at H=64 the
+// FMA pipe is the busier one already). Without a cap, 1 of 4 cost 7-10% (H200, 2026-12-04).
+// -DMAXATTN_SM90_H<64|128|256>[_SOFTCAP]_EXP2_POLY=n overrides one for experiments.
+#ifndef MAXATTN_SM90_H64_EXP2_POLY
+#define MAXATTN_SM90_H64_EXP2_POLY 0
+#endif
+#ifndef MAXATTN_SM90_H64_SOFTCAP_EXP2_POLY
+#define MAXATTN_SM90_H64_SOFTCAP_EXP2_POLY 0
+#endif
+#ifndef MAXATTN_SM90_H128_EXP2_POLY
+#define MAXATTN_SM90_H128_EXP2_POLY 0
+#endif
+#ifndef MAXATTN_SM90_H128_SOFTCAP_EXP2_POLY
+#define MAXATTN_SM90_H128_SOFTCAP_EXP2_POLY 2
+#endif
+#ifndef MAXATTN_SM90_H256_EXP2_POLY
+#define MAXATTN_SM90_H256_EXP2_POLY 0
+#endif
+#ifndef MAXATTN_SM90_H256_SOFTCAP_EXP2_POLY
+#define MAXATTN_SM90_H256_SOFTCAP_EXP2_POLY 0
+#endif
+constexpr int ForwardExp2Poly(int head_dim, bool softcap) {
+  if (head_dim == 64) return softcap ? MAXATTN_SM90_H64_SOFTCAP_EXP2_POLY : MAXATTN_SM90_H64_EXP2_POLY;
+  if (head_dim == 128) return softcap ? MAXATTN_SM90_H128_SOFTCAP_EXP2_POLY : MAXATTN_SM90_H128_EXP2_POLY;
+  return softcap ? MAXATTN_SM90_H256_SOFTCAP_EXP2_POLY : MAXATTN_SM90_H256_EXP2_POLY;
+}
+
 // Whether a kernel for a head dim (with or without a soft cap) takes its tiles from FwdArgs::tile_counter.
 constexpr bool UsesTileCounter(int head_dim) {
   return IsPersistent(ForwardVariant(head_dim, false)) || IsPersistent(ForwardVariant(head_dim, true));
@@ -104,6 +134,7 @@ struct FwdConfig {
                                    : kVariant == kPersistentPingPong ? kPingPong : kVariant;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
+  static constexpr int kExp2Poly = ForwardExp2Poly(kHeadDim, kSoftcap);
 
   static constexpr int kBlockM = kQueryBlockSize;
   static constexpr int kBlockN = KeyBlockSize(kHeadDim);

@@ -86,7 +86,7 @@ struct ConsumerMainloop {
 
     constexpr int kRows = decltype(size<0>(s_rc))::value;
     const SoftmaxScales scales{args.scale, args.scale_log2, args.softcap, args.softcap_in, args.softcap_log2};
-    OnlineSoftmax<kRows, kSoftcap> softmax(scales);
+    OnlineSoftmax<kRows, kSoftcap, Config::kExp2Poly> softmax(scales);
     clear(tOrO);
 
     const int m0 = tile.m_block * kBlockM;

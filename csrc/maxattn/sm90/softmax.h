@@ -53,21 +53,6 @@ __device__ __forceinline__ float Exp2Poly(float x) {
   return p * two_n;
 }
 
-// How many of every 4 columns of a thread's score tile take Exp2Poly instead
-// of the MUFU exp2, without and with a soft cap (whose tanh is a second MUFU
-// op per entry). None by default (NOTES.md, "exp2 on the FMA pipe"): without a
-// cap 1 of 4 costs 7-10%; with one, 1 of 4 was the optimum of the overlap loop
-// (H200, 2026-12-04), but the persistent ping-pong loop that now runs capped
-// calls is best without it over the four H=128 rows (H100, 2026-12-06: 0, 1
-// and 2 of 4 within 3% of each other, 0 the fastest at T=8192 by 6%).
-// Overridable with -D for experiments.
-#ifndef MAXATTN_SM90_EXP2_POLY
-#define MAXATTN_SM90_EXP2_POLY 0
-#endif
-#ifndef MAXATTN_SM90_SOFTCAP_EXP2_POLY
-#define MAXATTN_SM90_SOFTCAP_EXP2_POLY 0
-#endif
-
 __device__ __forceinline__ float QuadMax(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -98,7 +83,9 @@ struct SoftmaxScales {
   float cap_log2 = 0.0f;
 };
 
-template <int kRows, bool kSoftcap = false>
+// kPoly: how many of every 4 columns of a thread's tile take Exp2Poly instead of the MUFU exp2
+// (each instance's count: kernel_config.h, ForwardExp2Poly).
+template <int kRows, bool kSoftcap = false, int kPoly = 0>
 struct OnlineSoftmax {
   float row_max[kRows];  // raw logits (unscaled), quad-uniform
   float row_sum[kRows];  // this thread's partial sum until Finalize()
@@ -145,7 +132,6 @@ struct OnlineSoftmax {
       float sum = 0.0f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
-        constexpr int kPoly = kSoftcap ? MAXATTN_SM90_SOFTCAP_EXP2_POLY : MAXATTN_SM90_EXP2_POLY;
         const bool poly = (c % 4) < kPoly;  // compile-time after unrolling
         if constexpr (kSoftcap) {
           const float x = s(r, c);
