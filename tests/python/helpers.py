@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import jax
@@ -113,6 +114,20 @@ def reference64(q, k, v, bias, ct_out, ct_lse, **kwargs: Any):
         out, aux, grads = loss_and_grads(maxattn.reference, cast(q), cast(k), cast(v), cast(bias),
                                          cast(ct_out), cast(ct_lse), **kw)
         return jax.tree.map(np.asarray, (out, aux, grads))
+
+
+def use_xla_backend_in_key_blocks(monkeypatch: pytest.MonkeyPatch, key_block: int) -> None:
+    """implementation="xla" through the backend stack (custom_vjp with backends/xla.py's backward,
+    as under context parallelism and behind sm90's capped head-dim-256 forward) instead of plain
+    JAX autodiff of the reference, its backward walking the keys in blocks of `key_block`."""
+    from maxattn._src import api, partition, stack
+    from maxattn._src.backends import xla
+    monkeypatch.setattr(api, "_choose_backend", lambda implementation, call: "xla")
+    monkeypatch.setattr(xla, "KEY_BLOCK", key_block)
+    # The stack and its custom-partitioned functions are cached, and with them the traces of the
+    # backward: fresh caches, so that this block size is traced (and no later test reuses them).
+    monkeypatch.setattr(stack, "fused", functools.cache(stack.fused.__wrapped__))
+    monkeypatch.setattr(partition, "_partitioned_fn", functools.cache(partition._partitioned_fn.__wrapped__))
 
 
 @contextlib.contextmanager

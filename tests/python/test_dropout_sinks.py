@@ -13,7 +13,8 @@ import pytest
 
 import maxattn
 from maxattn._src import reference
-from helpers import MAX_TOL, OUT_TOL, assert_close, assert_max_logit_close, random_inputs, x64
+from helpers import (MAX_TOL, OUT_TOL, assert_close, assert_max_logit_close, random_inputs,
+                     use_xla_backend_in_key_blocks, x64)
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}
@@ -80,6 +81,25 @@ def test_cpu_matches_reference_with_the_same_mask(dtype, heads, causal, feature)
         assert_close(np.asarray(g, np.float32), rg, tol, name)
     if kw.get("softmax_type") == "learnable":
         assert_close(grads[3], rgrads[3], tol, "dsink")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_xla_backward_in_key_blocks_keeps_dropout_and_sinks(monkeypatch, causal):
+    """The xla backward in 16-key blocks (three, the last partial) against the same backward in
+    one block, in float64: the blocks see the dropout mask at their own key positions, the sink
+    gradient and the lse cotangent exactly as the whole does."""
+    N, K = HEADS["gqa"]
+    q, k, v = random_inputs(21, 2, 37, 37 if causal else 45, N, K, 16, 24, jnp.float32)
+    sink = np.random.default_rng(22).standard_normal(N) * 1.5
+    with x64():
+        kw = dict(_kwargs("both", jnp.asarray(sink, jnp.float64)), is_causal=causal)
+        args = [jnp.asarray(x, jnp.float64) for x in (q, k, v, sink)]
+        grads = {}
+        for block in (16, 1 << 20):
+            use_xla_backend_in_key_blocks(monkeypatch, block)
+            grads[block] = jax.grad(lambda *a: _loss("xla", kw, jnp.float64)(*a)[0], argnums=(0, 1, 2, 3))(*args)
+    for name, g, ref in zip(("dq", "dk", "dv", "dsink"), grads[16], grads[1 << 20]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-10, atol=1e-12, err_msg=name)
 
 
 def test_sink_gradient_matches_finite_differences():

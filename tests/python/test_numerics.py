@@ -15,7 +15,7 @@ import pytest
 
 import maxattn
 from helpers import (MAX_TOL, OUT_TOL, assert_close, assert_max_logit_close, loss_and_grads,
-                     random_inputs, reference64)
+                     random_inputs, reference64, use_xla_backend_in_key_blocks)
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 MASKS = ["none", "causal", "causal_bottom_right", "padding", "segments", "window", "dense"]
@@ -58,9 +58,12 @@ def _attention(q, k, v, bias, mask=None, **kwargs):
     return maxattn.dot_product_attention(q, k, v, bias, mask, **kwargs)
 
 
-def check_against_reference(q, k, v, bias, ct_out, ct_lse, dtype, **kwargs):
-    out, aux, grads = loss_and_grads(_attention, q, k, v, bias, ct_out, ct_lse, **kwargs)
+def check_against_reference(q, k, v, bias, ct_out, ct_lse, dtype, setup=None, **kwargs):
+    """setup: run after the float64 oracle and before the call under test (to reroute the latter)."""
     r_out, r_aux, r_grads = reference64(q, k, v, bias, ct_out, ct_lse, **kwargs)
+    if setup is not None:
+        setup()
+    out, aux, grads = loss_and_grads(_attention, q, k, v, bias, ct_out, ct_lse, **kwargs)
     tol = OUT_TOL[dtype]
     assert out.dtype == q.dtype
     assert aux["max_logit"].dtype == jnp.float32 and aux["lse"].dtype == jnp.float32
@@ -86,6 +89,31 @@ def test_cpu_matches_float64_reference(dtype, mask, heads, with_bias, softcap):
     if softcap:
         kwargs["logits_soft_cap"] = 2.5
     check_against_reference(q, k, v, bias, ct_out, ct_lse, dt, implementation="cpu", **kwargs)
+
+
+# The xla backend's backward walks the keys in blocks (backends/xla.py, KEY_BLOCK); with 16-key
+# blocks the matrix's S = 37 and 45 are three blocks, the last one partial. The bias takes each
+# broadcast form in turn, [B, N, T, 1] (summed per block) included.
+XLA_MATRIX = list(itertools.product(("f32",), MASKS, ("gqa",), (False, True), (False, True)))
+
+
+@pytest.mark.parametrize("dtype,mask,heads,with_bias,softcap", XLA_MATRIX,
+                         ids=["-".join([d, m, h, "bias" if b else "nobias", "cap" if c else "nocap"])
+                              for d, m, h, b, c in XLA_MATRIX])
+def test_xla_backward_in_key_blocks_matches_float64_reference(monkeypatch, dtype, mask, heads, with_bias, softcap):
+    seed = zlib.crc32(f"xla{dtype}{mask}{heads}{with_bias}{softcap}".encode())
+    dt = DTYPES[dtype]
+    q, k, v, bias, ct_out, ct_lse, kwargs = _case_inputs(seed, dt, mask, heads, with_bias)
+    if with_bias:
+        B, T, N, _ = q.shape
+        S = k.shape[1]
+        shape = (["BNTS", "1NTS", "B11S", "BNT1"])[MASKS.index(mask) % 4]
+        full = dict(B=B, N=N, T=T, S=S)
+        bias = jnp.asarray(np.random.default_rng(seed).standard_normal([full.get(c, 1) for c in shape]), jnp.float32)
+    if softcap:
+        kwargs["logits_soft_cap"] = 2.5
+    check_against_reference(q, k, v, bias, ct_out, ct_lse, dt, implementation="xla",
+                            setup=lambda: use_xla_backend_in_key_blocks(monkeypatch, 16), **kwargs)
 
 
 @pytest.mark.parametrize("H,Hv,T,S", [(1, 1, 3, 5), (40, 40, 65, 33), (72, 64, 130, 129),

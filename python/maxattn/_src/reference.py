@@ -21,14 +21,17 @@ def same_segment(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> jax.Arr
     return (qs == ks) & (qs != 0)
 
 
-def visibility(call: Call) -> jax.Array:
-    """Boolean [B|1, N|1, T, S] array: which (query, key) pairs are visible."""
+def visibility(call: Call, key_offset: jax.Array | int = 0) -> jax.Array:
+    """Boolean [B|1, N|1, T, S] array: which (query, key) pairs are visible.
+
+    key_offset: the position of the call's first key in the sequence, for a call that holds one
+    block of the keys (its per-key operands sliced, kv_seq_lengths given explicitly)."""
     ops, mask = call.operands, call.options.mask
     B, T, N, _ = ops.query.shape
     S = ops.key.shape[1]
     # Every operand rank 4 (no implicit rank promotion: clean under jax_numpy_rank_promotion="raise").
     i = jnp.arange(T, dtype=jnp.int32).reshape(1, 1, T, 1)
-    j = jnp.arange(S, dtype=jnp.int32).reshape(1, 1, 1, S)
+    j = (jnp.arange(S, dtype=jnp.int32) + key_offset).reshape(1, 1, 1, S)
     q_valid = ops.q_seq_lengths if ops.q_seq_lengths is not None else jnp.full((B,), T, jnp.int32)
     kv_valid = ops.kv_seq_lengths if ops.kv_seq_lengths is not None else jnp.full((B,), S, jnp.int32)
     q_valid = q_valid[:, None, None, None]
@@ -87,8 +90,9 @@ def dropout_scale(rate: float) -> np.float32:
     return np.float32(1) / (np.float32(1) - np.float32(rate))
 
 
-def dropout_keep(call: Call) -> jax.Array:
-    """Boolean [B, N, T, S]: keep(b, n, i, j) of csrc/maxattn/dropout.h for the call's dropout seed."""
+def dropout_keep(call: Call, key_offset: jax.Array | int = 0) -> jax.Array:
+    """Boolean [B, N, T, S]: keep(b, n, i, j) of csrc/maxattn/dropout.h for the call's dropout seed
+    (key_offset as in `visibility`)."""
     ops = call.operands
     B, T, N, _ = ops.query.shape
     S = ops.key.shape[1]
@@ -97,7 +101,7 @@ def dropout_keep(call: Call) -> jax.Array:
     b = jnp.arange(B, dtype=u)[:, None, None, None] + seed[2]
     n = jnp.arange(N, dtype=u)[None, :, None, None] + seed[3]
     i = jnp.arange(T, dtype=u)[None, None, :, None]
-    j = jnp.arange(S, dtype=u)[None, None, None, :]
+    j = (jnp.arange(S, dtype=u) + jnp.asarray(key_offset).astype(u))[None, None, None, :]
     shape = (B, N, T, S)
     c0, c1, c2, c3 = (jnp.broadcast_to(x, shape) for x in (j >> u(2), i, n, b))
     words = philox4x32_10(c0, c1, c2, c3, jnp.full(shape, seed[0], u), jnp.full(shape, seed[1], u))

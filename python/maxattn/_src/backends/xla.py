@@ -1,9 +1,12 @@
 """The "xla" backend: the pure-JAX reference (reference.py) seen through the backend contract.
 
 Used for `implementation="xla"` under context parallelism and sharding (the
-stack's partitioning code serves it like any backend), and by the tests. Its
-backward is the flash-attention backward from the given (global) lse and
-output, so it can run on a block of keys, like the fused backends.
+stack's partitioning code serves it like any backend), by the tests, and as
+the backward of sm90 forwards our kernels cannot differentiate (a soft cap at
+head dim 256). Its backward is the flash-attention backward from the given
+(global) lse and output, so it can run on a block of keys, like the fused
+backends, and it walks the keys in blocks itself: its memory is O(T) per key
+block, not the forward's O(T * S).
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ import jax.numpy as jnp
 
 from maxattn._src import reference
 from maxattn._src.call import Call, Fwd, Grads, Saved
+
+
+# Keys per step of the backward's scan: [B, N, T, KEY_BLOCK] float32 logits, probabilities and
+# gradients live at a time.
+KEY_BLOCK = 128
 
 
 class XlaBackend:
@@ -30,50 +38,100 @@ class XlaBackend:
                    mx.astype(f32) if call.options.max_logit else None)
 
     def backward(self, call: Call, saved: Saved) -> Grads:
+        """The flash-attention backward, key block by key block (KEY_BLOCK keys per step of a
+        lax.scan): O(B * N * T * KEY_BLOCK) memory instead of the [B, N, T, S] logits, so that
+        a call no fused kernel takes (the sm90 forward's soft cap at head dim 256) can train at
+        long sequence lengths. dQ is summed over the blocks in float32; dK, dV and dbias are
+        per block."""
         ops, options = call.operands, call.options
         q, k, v = ops.query, ops.key, ops.value
-        N, K = q.shape[2], k.shape[2]
+        B, T, N, _ = q.shape
+        S, K = k.shape[1], k.shape[2]
         G = N // K
         ct = jnp.promote_types(q.dtype, jnp.float32)
-        s = reference.raw_logits(call)
-        vis = jnp.broadcast_to(reference.visibility(call), s.shape)
-        if options.softcap:
-            th = jnp.tanh(s / options.softcap)
-            logits = options.softcap * th
-        else:
-            logits = s
-        lse_b = saved.lse.astype(ct)[..., None]
-        live = vis & ~jnp.isneginf(lse_b)
-        p = jnp.where(live, jnp.exp(jnp.where(live, logits - lse_b, 0.0)), 0.0)
         hp = jax.lax.Precision.HIGHEST
         rep = lambda x: jnp.repeat(x, G, axis=2) if G > 1 else x
         do = saved.dout.astype(ct)
-        dp = jnp.einsum("btnd,bsnd->bnts", do, rep(v).astype(ct), precision=hp)
-        pz = p
-        if options.dropout_rate > 0:
-            z = jnp.where(reference.dropout_keep(call),
-                          jnp.asarray(reference.dropout_scale(options.dropout_rate), ct), 0)
-            pz = p * z
-            dp = dp * z
+        lse_b = saved.lse.astype(ct)[..., None]  # [B, N, T, 1]
         D = jnp.transpose(jnp.sum(do * saved.out.astype(ct), axis=-1), (0, 2, 1))[..., None]
         dd = D if saved.dlse is None else D - saved.dlse.astype(ct)[..., None]
         dsink = None
         if ops.sink_logits is not None:  # per batch row [B, N]
             sink = ops.sink_logits.astype(ct)[None, :, None, None]
             dsink = -jnp.sum(jnp.exp(sink - lse_b) * dd, axis=(2, 3)).astype(jnp.float32)
-        ds = p * (dp - dd)
-        if options.softcap:
-            ds = ds * (1.0 - th * th)
-        dq = jnp.einsum("bnts,bsnh->btnh", ds, rep(k).astype(ct), precision=hp) * options.scale
-        dk = jnp.einsum("bnts,btnh->bsnh", ds, q.astype(ct), precision=hp) * options.scale
-        dv = jnp.einsum("bnts,btnd->bsnd", pz, do, precision=hp)
-        B, S = k.shape[0], k.shape[1]
-        dk = dk.reshape(B, S, K, G, -1).sum(3)
-        dv = dv.reshape(B, S, K, G, -1).sum(3)
-        dbias = None
-        if ops.bias is not None:
-            axes = tuple(i for i in range(4) if ops.bias.shape[i] == 1 and ds.shape[i] != 1)
-            dbias = jnp.sum(ds, axis=axes, keepdims=True).reshape(ops.bias.shape).astype(jnp.float32)
+
+        # The per-key operands in blocks: padded to a whole number of blocks (padding keys are
+        # invisible: past kv_seq_lengths, which is given explicitly for that), block axis first.
+        width = min(S, KEY_BLOCK)
+        blocks = -(-S // width)
+        pad = blocks * width - S
+
+        def split(x, fill):
+            """[.., S, ..] with S on axis 1 (k, v, segment ids) -> [blocks, .., width, ..]."""
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+            return jnp.moveaxis(x.reshape(x.shape[:1] + (blocks, width) + x.shape[2:]), 1, 0)
+
+        def split_last(x, fill):
+            """bias / mask [b, n, t, s]: split along s unless it broadcasts there (s = 1)."""
+            if x is None or x.shape[3] == 1:
+                return None
+            x = jnp.pad(x, [(0, 0)] * 3 + [(0, pad)], constant_values=fill)
+            return jnp.moveaxis(x.reshape(x.shape[:3] + (blocks, width)), 3, 0)
+
+        kv_len = ops.kv_seq_lengths if ops.kv_seq_lengths is not None else jnp.full((B,), S, jnp.int32)
+        xs = dict(key=split(k, 0), value=split(v, 0), offset=jnp.arange(blocks, dtype=jnp.int32) * width)
+        if ops.kv_segment_ids is not None:
+            xs["kv_segment_ids"] = split(ops.kv_segment_ids, 0)  # id 0: padding, never visible
+        bias_blocks, mask_blocks = split_last(ops.bias, 0), split_last(ops.mask, False)
+        if bias_blocks is not None:
+            xs["bias"] = bias_blocks
+        if mask_blocks is not None:
+            xs["mask"] = mask_blocks
+
+        def step(dq, x):
+            j0 = x["offset"]
+            sub = call.replace(kv_seq_lengths=kv_len, **{name: a for name, a in x.items() if name != "offset"})
+            kb, vb = sub.operands.key, sub.operands.value
+            s = reference.raw_logits(sub)
+            vis = jnp.broadcast_to(reference.visibility(sub, j0), s.shape)
+            if options.softcap:
+                th = jnp.tanh(s / options.softcap)
+                logits = options.softcap * th
+            else:
+                logits = s
+            live = vis & ~jnp.isneginf(lse_b)
+            p = jnp.where(live, jnp.exp(jnp.where(live, logits - lse_b, 0.0)), 0.0)
+            dp = jnp.einsum("btnd,bsnd->bnts", do, rep(vb).astype(ct), precision=hp)
+            pz = p
+            if options.dropout_rate > 0:
+                z = jnp.where(reference.dropout_keep(sub, j0),
+                              jnp.asarray(reference.dropout_scale(options.dropout_rate), ct), 0)
+                pz = p * z
+                dp = dp * z
+            ds = p * (dp - dd)
+            if options.softcap:
+                ds = ds * (1.0 - th * th)
+            dq = dq + jnp.einsum("bnts,bsnh->btnh", ds, rep(kb).astype(ct), precision=hp) * options.scale
+            dk = jnp.einsum("bnts,btnh->bsnh", ds, q.astype(ct), precision=hp) * options.scale
+            dv = jnp.einsum("bnts,btnd->bsnd", pz, do, precision=hp)
+            dk = dk.reshape(B, width, K, G, -1).sum(3)
+            dv = dv.reshape(B, width, K, G, -1).sum(3)
+            dbias = None
+            if ops.bias is not None:
+                axes = tuple(i for i in range(4) if ops.bias.shape[i] == 1 and ds.shape[i] != 1)
+                dbias = jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
+            return dq, (dk, dv, dbias)
+
+        dq0 = jnp.zeros(q.shape[:3] + (k.shape[3],), ct)
+        dq, (dk, dv, dbias) = jax.lax.scan(step, dq0, xs)
+        unsplit = lambda x: jnp.moveaxis(x, 0, 1).reshape((B, blocks * width) + x.shape[3:])[:, :S]
+        dk, dv = unsplit(dk), unsplit(dv)
+        if dbias is not None:
+            if ops.bias.shape[3] == 1:  # summed over each block's keys: now over the blocks
+                dbias = jnp.sum(dbias, axis=0)
+            else:
+                dbias = jnp.moveaxis(dbias, 0, 3).reshape(dbias.shape[1:4] + (blocks * width,))[..., :S]
+            dbias = dbias.reshape(ops.bias.shape).astype(jnp.float32)
         return Grads(dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, dsink)
 
 
