@@ -13,8 +13,9 @@ contract's natural-log [B, N, T] form). At head dims 64 and 128 it is ours
 by atomics, so it can differ in the last bits between runs unless
 `deterministic_backward=True` makes the CTAs add in turn); at head dim 256
 it is cuDNN's, so such a call must suit both (the reason names whichever
-refuses), or the reference's with a soft cap, which cuDNN lacks (xla.py:
-exact, but it materialises the [B, N, T, S] logits). Our kernels are exact
+refuses), or the pure-JAX one with a soft cap, which cuDNN lacks (xla.py:
+exact, in key blocks of 128, so O(B * N * T * 128) memory, but XLA's
+float32 GEMMs, not a fused kernel). Our kernels are exact
 for any segment ids and ignore `max_segments_per_row`; at head dim 256 that
 bound is refused, because cuDNN's ragged backward would poison the rows
 that break it while the sm90 forward is exact on them. `implementation=None`
@@ -82,7 +83,7 @@ def _own_backward(call: Call) -> bool:
 
 
 def _fallback_backward(call: Call):
-    """Whose backward serves an sm90 forward that ours cannot: cuDNN's, or the reference's for a soft cap."""
+    """Whose backward serves an sm90 forward that ours cannot: cuDNN's, or the pure-JAX one (xla.py) for a soft cap."""
     return xla.BACKEND if call.options.softcap else cudnn.BACKEND
 
 
