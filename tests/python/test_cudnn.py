@@ -275,7 +275,9 @@ def test_auto_mode_runs_soft_cap_on_sm90():
 
 
 # Soft-capped calls on sm90: the kernel's tanh softmax forward; the backward is ours at head dims 64
-# and 128 (gradient through tanh), the reference's at 256 (cuDNN has no soft cap). q is scaled up so that the raw logits (std ~4, max ~15) are bent by the cap of 10.
+# and 128 (gradient through tanh), at 256 the pure-JAX one of backends/xla.py (cuDNN has no soft cap), in
+# key blocks of 128 (S = 200: two, the second partial). q is scaled up so that the raw logits (std ~4, max
+# ~15) are bent by the cap of 10.
 SOFTCAP_CASES = {
     "h64_causal_gqa": (2, 256, 256, 4, 2, 64, jnp.bfloat16, {"is_causal": True}),
     "h128_odd_padding_br": (2, 300, 333, 4, 4, 128, jnp.bfloat16,
