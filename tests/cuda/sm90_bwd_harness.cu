@@ -11,7 +11,7 @@
 // in some cases, an lse cotangent), runs the sm90 forward for out and lse (the
 // residuals the library saves), poisons the gradients (0x7f bytes) and runs
 // the backward. dq, dk, dv (and dsink with sinks) are compared with the
-// float64 reference by relative L2 error (DESIGN.md section 3: 2e-2 for bf16
+// float64 reference by relative L2 error (docs/contract.md's tolerances: 2e-2 for bf16
 // and fp16), NaN patterns must match, keys that no query sees and rows that
 // see no key must have exactly zero gradients, and a second run must give
 // bit-identical dk and dv (dq is summed by atomics: equal to 1e-5 relative).

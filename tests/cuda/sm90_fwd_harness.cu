@@ -14,7 +14,7 @@
 //
 // Each case draws fresh random inputs, poisons the outputs (0x7f bytes: a huge
 // finite value) before the run, compares out / lse / max_logit with the
-// reference (DESIGN.md section 3 tolerances), re-runs with lse and max_logit
+// reference (docs/contract.md's tolerances), re-runs with lse and max_logit
 // off (out must be bit-identical) and re-runs once more (out must be
 // bit-identical: a moving result is a race). Exit code 1 if any case fails.
 #include <cuda_bf16.h>

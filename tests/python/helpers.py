@@ -13,7 +13,7 @@ import pytest
 
 import maxattn
 
-# DESIGN.md §3.
+# docs/contract.md, "Tolerances the tests use".
 OUT_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 MAX_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-3, jnp.float16: 1e-3}
 

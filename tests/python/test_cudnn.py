@@ -1,7 +1,7 @@
 """The GPU backends (cudnn, and sm90 where it runs the case) against the float64 reference.
 
 Skipped (not passed) without a GPU: run on the device machine with
-tools/gpu_check.sh. Tolerances are DESIGN.md §3's.
+tools/gpu_check.sh. Tolerances are docs/contract.md's ("Tolerances the tests use").
 """
 
 from __future__ import annotations

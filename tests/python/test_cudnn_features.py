@@ -3,7 +3,7 @@
 Every test takes the `impl` fixture: "cpu" (runs in normal CI, no GPU) and
 "cudnn" (marked `gpu`, skipped without a CUDA GPU; run on the device machine).
 The cpu parametrization validates the test logic itself; the cudnn one checks
-the cudnn backend against the same float64 oracle at DESIGN.md §3 tolerances.
+the cudnn backend against the same float64 oracle at docs/contract.md's tolerances.
 
 Dropout: the cudnn backend draws its mask with cuDNN's own Philox generator, so
 its mask differs from the CPU backend's and the reference's. The tests therefore

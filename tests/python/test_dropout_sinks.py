@@ -1,7 +1,7 @@
 """Dropout and softmax types (vanilla / off_by_one / learnable sinks), issue 7.
 
 The CPU kernels draw the same Philox mask as the pure-JAX reference, so the two
-are compared exactly (same mask) at DESIGN.md §3 tolerances.
+are compared exactly (same mask) at docs/contract.md's tolerances.
 """
 
 from __future__ import annotations

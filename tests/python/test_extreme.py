@@ -1,7 +1,7 @@
 """Non-finite and extreme inputs on the CPU backend.
 
 * NaN / +-Inf in q, k, v, bias: no crash, no hang; the CPU backend gives the
-  same NaN / Inf pattern as the reference (DESIGN.md §1.1: NaN propagates,
+  same NaN / Inf pattern as the reference (docs/contract.md: NaN propagates,
   max_logit is NaN iff a visible logit is NaN), and a NaN at a position that
   is not visible (masked, padding, causal) does not leak into q/k/bias results.
 * -inf bias works as a mask; rows whose bias is all -inf are fully masked rows

@@ -1,7 +1,7 @@
 """The CPU backend against the float64 reference over the feature matrix.
 
 dtypes x masks x {MHA, GQA, MQA} x {bias, none} x {soft cap, none}: out, lse,
-max_logit and the gradients of q, k, v, bias, with DESIGN.md §3 tolerances.
+max_logit and the gradients of q, k, v, bias, with docs/contract.md's tolerances.
 """
 
 from __future__ import annotations

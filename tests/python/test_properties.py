@@ -4,7 +4,7 @@ Random B, T, S, N, K, H, Hv, dtype, masks (causal + alignment, padding lengths,
 segment ids, window, dense boolean mask), bias shapes, soft cap, scale and
 return flags -> out, lse, max_logit and the gradients of q, k, v, bias are
 compared with `maxattn.reference` evaluated in float64 on the same (rounded)
-inputs, at the DESIGN.md §3 tolerances. A second family draws invalid
+inputs, at docs/contract.md's tolerances. A second family draws invalid
 argument combinations and checks that each raises ValueError/TypeError at
 trace time.
 

@@ -40,7 +40,7 @@ try:
 except ImportError:
     HAVE_CPU_EXT = False
 
-TOL = 1e-5  # DESIGN.md §3, float32
+TOL = 1e-5  # docs/contract.md, "Tolerances the tests use", float32
 
 
 def test_in_subprocess():

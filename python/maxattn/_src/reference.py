@@ -1,7 +1,7 @@
 """The readable pure-JAX implementation ("xla"): the test oracle and fallback.
 
 It materialises the [B, N, T, S] logits, so it is O(T*S) in memory; the
-semantics are the contract that every backend must match (DESIGN.md §1.1 and
+semantics are the contract that every backend must match (docs/contract.md and
 the comment at the top of csrc/maxattn/attention.h).
 """
 
