@@ -102,6 +102,47 @@ def test_xla_backward_in_key_blocks_keeps_dropout_and_sinks(monkeypatch, causal)
         np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+def test_lse_cotangent_as_value_columns_alone_or_appended():
+    """cudnn.lse_columns, the lse cotangent as extra value columns, on the xla backward in float64
+    (with a bias, dropout and learnable sinks): appended to out, dout and value (cuDNN's one-call
+    form) and as a backward of their own added to the plain one (its form past 248 value columns)
+    both give the gradients of the backward that takes dlse directly."""
+    from maxattn._src.backends import cudnn, xla
+    from maxattn._src.call import Saved
+    from maxattn._src.canonicalize import canonicalize
+    N, K = HEADS["gqa"]
+    T, S, Hv = 37, 45, 24
+    rng = np.random.default_rng(31)
+    with x64():
+        q, k, v = (jnp.asarray(x, jnp.float64) for x in random_inputs(31, 2, T, S, N, K, 16, Hv, jnp.float32))
+        sink = jnp.asarray(rng.standard_normal(N), jnp.float64)
+        bias = jnp.asarray(rng.standard_normal((1, N, T, S)), jnp.float64)
+        call, _, _ = canonicalize(q, k, v, bias, is_causal=True, dropout_rate=0.3, dropout_rng=KEY,
+                                  softmax_type="learnable", sink_logits=sink, return_lse=True)
+        fwd = xla.BACKEND.forward(call)
+        dout = jnp.asarray(rng.standard_normal(fwd.out.shape))
+        dlse = jnp.asarray(rng.standard_normal(fwd.lse.shape))
+        whole = xla.BACKEND.backward(call, Saved(fwd.out, fwd.lse, dout, dlse))
+        pad_o, pad_do, pad_v = cudnn.lse_columns(dlse, q.shape, v.shape, q.dtype)
+        plain = xla.BACKEND.backward(call, Saved(fwd.out, fwd.lse, dout, None))
+        term = xla.BACKEND.backward(call.replace(value=pad_v), Saved(pad_o, fwd.lse, pad_do, None))
+        cat = lambda a, b: jnp.concatenate([a, b], -1)
+        folded = xla.BACKEND.backward(call.replace(value=cat(v, pad_v)),
+                                      Saved(cat(fwd.out, pad_o), fwd.lse, cat(dout, pad_do), None))
+    def close(x, ref, what):
+        # dbias and dsink come back in float32 (the contract's dtypes), the rest in the inputs' float64.
+        tol = dict(rtol=1e-9, atol=1e-12) if np.asarray(ref).dtype == np.float64 else dict(rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(ref), err_msg=what, **tol)
+
+    for name in ("dq", "dk", "dbias", "dsink"):
+        close(np.asarray(getattr(plain, name)) + np.asarray(getattr(term, name)), getattr(whole, name),
+              f"{name}: plain + lse term")
+        close(getattr(folded, name), getattr(whole, name), f"{name}: folded")
+    close(plain.dv, whole.dv, "dv: plain")
+    close(folded.dv[..., :Hv], whole.dv, "dv: folded")
+    assert np.abs(np.asarray(term.dq)).max() > 1e-3  # the lse term is not negligible here
+
+
 def test_sink_gradient_matches_finite_differences():
     """f32 CPU gradients (incl. sink) vs float64 central differences of the reference, fixed key."""
     N, K = 2, 1

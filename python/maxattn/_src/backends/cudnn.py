@@ -139,6 +139,20 @@ def _as_cudnn_sees_it(call: Call) -> Call:
     return call.replace(bias=_folded_bias(call), q_seq_lengths=qlen, kv_seq_lengths=kvlen, sink_logits=sink)
 
 
+def lse_columns(dlse: jax.Array, q_shape: tuple, v_shape: tuple, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The lse cotangent dlse [B, N, T] as _DLSE_COLUMNS value columns (module docstring):
+    (o'' = [-dlse, 0...] [B, T, N, 8], do'' = [1, 0...] [B, T, N, 8], v'' = 0 [B, S, K, 8]).
+    Appended to out, dout and value they fold the lse term into one backward; alone, as a
+    backward of their own, they give exactly the lse term's dq, dk, dbias and dsink."""
+    B, T, N, _ = q_shape
+    ct = jnp.promote_types(dlse.dtype, jnp.float32)
+    col = -jnp.transpose(dlse.astype(ct), (0, 2, 1))[..., None]  # [B, T, N, 1]
+    pad_o = jnp.concatenate([col, jnp.zeros((B, T, N, _DLSE_COLUMNS - 1), ct)], -1).astype(dtype)
+    pad_do = jnp.zeros((B, T, N, _DLSE_COLUMNS), dtype).at[..., 0].set(1)
+    pad_v = jnp.zeros(tuple(v_shape[:3]) + (_DLSE_COLUMNS,), dtype)
+    return pad_o, pad_do, pad_v
+
+
 class CudnnBackend:
     name = "cudnn"
 
@@ -172,12 +186,7 @@ class CudnnBackend:
         out, dout = saved.out, saved.dout.astype(dtype)
         lse_term = None  # the lse cotangent's gradients from a call of their own
         if saved.dlse is not None:
-            # The lse cotangent as value columns (see the module docstring).
-            B, T, N, _ = q.shape
-            col = -jnp.transpose(saved.dlse.astype(jnp.float32), (0, 2, 1))[..., None]  # [B, T, N, 1]
-            pad_o = jnp.concatenate([col, jnp.zeros((B, T, N, _DLSE_COLUMNS - 1), jnp.float32)], -1).astype(dtype)
-            pad_do = jnp.zeros((B, T, N, _DLSE_COLUMNS), dtype).at[..., 0].set(1)
-            pad_v = jnp.zeros(v.shape[:3] + (_DLSE_COLUMNS,), dtype)
+            pad_o, pad_do, pad_v = lse_columns(saved.dlse, q.shape, v.shape, dtype)
             widened = call.replace(value=jnp.concatenate([v, pad_v], -1))
             if self.unsupported_reason(widened) is None:
                 out = jnp.concatenate([out, pad_o], -1)
