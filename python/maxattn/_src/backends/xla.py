@@ -62,7 +62,7 @@ class XlaBackend:
 
         # The per-key operands in blocks: padded to a whole number of blocks (padding keys are
         # invisible: past kv_seq_lengths, which is given explicitly for that), block axis first.
-        width = min(S, KEY_BLOCK)
+        width = max(1, min(S, KEY_BLOCK))  # S = 0: no blocks
         blocks = -(-S // width)
         pad = blocks * width - S
 
