@@ -66,27 +66,26 @@ class XlaBackend:
         blocks = -(-S // width)
         pad = blocks * width - S
 
-        def split(x, fill):
-            """[.., S, ..] with S on axis 1 (k, v, segment ids) -> [blocks, .., width, ..]."""
-            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-            return jnp.moveaxis(x.reshape(x.shape[:1] + (blocks, width) + x.shape[2:]), 1, 0)
+        def split(x, axis, fill):
+            """x with the keys on `axis` -> [blocks, ..., width, ...], padded with `fill`."""
+            x = jnp.pad(x, [(0, pad) if a == axis else (0, 0) for a in range(x.ndim)], constant_values=fill)
+            return jnp.moveaxis(x.reshape(x.shape[:axis] + (blocks, width) + x.shape[axis + 1:]), axis, 0)
 
-        def split_last(x, fill):
-            """bias / mask [b, n, t, s]: split along s unless it broadcasts there (s = 1)."""
-            if x is None or x.shape[3] == 1:
-                return None
-            x = jnp.pad(x, [(0, 0)] * 3 + [(0, pad)], constant_values=fill)
-            return jnp.moveaxis(x.reshape(x.shape[:3] + (blocks, width)), 3, 0)
+        def unsplit(x, axis):
+            """The inverse of split: [blocks, ..., width, ...] -> the S keys on `axis`."""
+            x = jnp.moveaxis(x, 0, axis)
+            x = x.reshape(x.shape[:axis] + (blocks * width,) + x.shape[axis + 2:])
+            return jax.lax.slice_in_dim(x, 0, S, axis=axis)
 
         kv_len = ops.kv_seq_lengths if ops.kv_seq_lengths is not None else jnp.full((B,), S, jnp.int32)
-        xs = dict(key=split(k, 0), value=split(v, 0), offset=jnp.arange(blocks, dtype=jnp.int32) * width)
+        xs = dict(key=split(k, 1, 0), value=split(v, 1, 0), offset=jnp.arange(blocks, dtype=jnp.int32) * width)
         if ops.kv_segment_ids is not None:
-            xs["kv_segment_ids"] = split(ops.kv_segment_ids, 0)  # id 0: padding, never visible
-        bias_blocks, mask_blocks = split_last(ops.bias, 0), split_last(ops.mask, False)
-        if bias_blocks is not None:
-            xs["bias"] = bias_blocks
-        if mask_blocks is not None:
-            xs["mask"] = mask_blocks
+            xs["kv_segment_ids"] = split(ops.kv_segment_ids, 1, 0)  # id 0: padding, never visible
+        # bias / mask [b, n, t, s]: split along s unless they broadcast there (s = 1).
+        if ops.bias is not None and ops.bias.shape[3] > 1:
+            xs["bias"] = split(ops.bias, 3, 0)
+        if ops.mask is not None and ops.mask.shape[3] > 1:
+            xs["mask"] = split(ops.mask, 3, False)
 
         def step(dq, x):
             j0 = x["offset"]
@@ -124,13 +123,10 @@ class XlaBackend:
 
         dq0 = jnp.zeros(q.shape[:3] + (k.shape[3],), ct)
         dq, (dk, dv, dbias) = jax.lax.scan(step, dq0, xs)
-        unsplit = lambda x: jnp.moveaxis(x, 0, 1).reshape((B, blocks * width) + x.shape[3:])[:, :S]
-        dk, dv = unsplit(dk), unsplit(dv)
+        dk, dv = unsplit(dk, 1), unsplit(dv, 1)
         if dbias is not None:
-            if ops.bias.shape[3] == 1:  # summed over each block's keys: now over the blocks
-                dbias = jnp.sum(dbias, axis=0)
-            else:
-                dbias = jnp.moveaxis(dbias, 0, 3).reshape(dbias.shape[1:4] + (blocks * width,))[..., :S]
+            # Summed over each block's keys where the bias broadcasts over them: now over the blocks.
+            dbias = jnp.sum(dbias, axis=0) if ops.bias.shape[3] == 1 else unsplit(dbias, 3)
             dbias = dbias.reshape(ops.bias.shape).astype(jnp.float32)
         return Grads(dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, dsink)
 
