@@ -201,9 +201,9 @@ class CudnnBackend:
         dq, dk, dv, dbias, dsink = g.dq, g.dk, g.dv, g.dbias, g.dsink
         dv = dv[..., :Hv]
         if lse_term is not None:
-            def add(a, b):
-                return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
-            dq, dk = add(dq, lse_term.dq), add(dk, lse_term.dk)
+            def add(a, b):  # in float32; dbias and dsink stay there (their result dtype)
+                return a.astype(jnp.float32) + b.astype(jnp.float32)
+            dq, dk = add(dq, lse_term.dq).astype(dq.dtype), add(dk, lse_term.dk).astype(dk.dtype)
             dbias = None if dbias is None else add(dbias, lse_term.dbias)
             dsink = None if dsink is None else add(dsink, lse_term.dsink)
         if dbias is not None:
