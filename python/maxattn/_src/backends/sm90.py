@@ -20,8 +20,8 @@ Our kernels are exact for any segment ids and ignore
 `max_segments_per_row`; where the backward is cuDNN's that bound is
 refused, because cuDNN's ragged backward would poison the rows that break
 it while the sm90 forward is exact on them. `implementation=None` tries
-sm90 first at head dim 128 and for segment ids, cuDNN first otherwise
-(backends/__init__.py).
+sm90 first at head dims 128 and 256 and for segment ids, cuDNN first
+otherwise (backends/__init__.py).
 """
 
 from __future__ import annotations
