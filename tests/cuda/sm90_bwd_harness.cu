@@ -3,7 +3,7 @@
 // timings.
 //
 //   sm90_bwd_harness            all cases, then the timed shapes
-//   sm90_bwd_harness --small    three small cases, no timing (for compute-sanitizer)
+//   sm90_bwd_harness --small    five small cases, no timing (for compute-sanitizer)
 //   sm90_bwd_harness --no-perf  all cases, no timing
 //   sm90_bwd_harness --perf-only [--shape I] [--softcap X] [--segments D]
 //
@@ -271,7 +271,7 @@ std::vector<BwdCase> AllCases() {
   auto add = [&](Case c, bool dlse = false) { v.push_back({std::move(c), dlse}); };
   const DType bf = DType::kBFloat16, fp = DType::kFloat16;
   for (DType t : {bf, fp}) {
-    for (int H : {64, 128}) {
+    for (int H : {64, 128, 256}) {
       const std::string h = "h" + std::to_string(H);
       add({h + " dense", 2, 256, 256, 4, 4, H, t});
       add({h + " causal tl odd", 2, 300, 300, 2, 2, H, t, true});
@@ -317,7 +317,7 @@ std::vector<BwdCase> AllCases() {
     c.nan = true;
     add(c);
   }
-  for (int H : {64, 128}) {
+  for (int H : {64, 128, 256}) {
     Case c{"h" + std::to_string(H) + " softcap 30 causal", 2, 300, 300, 4, 2, H, bf, true};
     c.softcap = 30.0f;
     c.q_gain = 24.0f;
@@ -416,6 +416,34 @@ std::vector<BwdCase> AllCases() {
     c.spike = true;
     add(c);
   }
+  // Head dim 256 (bwd_config_wide.h: 64 keys per CTA, the warpgroups split the queries of S^T and
+  // the columns of dK, dV and dQ): the features of the cases above at its own tile boundaries.
+  add({"h256 gqa 8/2 causal br T>S", 1, 333, 200, 8, 2, 256, bf, true, true});
+  add({"h256 window 64,16 fp16", 1, 300, 330, 2, 1, 256, fp, false, false, 64, 16});
+  add({"h256 dlse dense T!=S odd", 2, 77, 515, 2, 2, 256, bf}, true);
+  {
+    Case c{"h256 padding softcap causal", 3, 257, 300, 2, 2, 256, bf, true};
+    c.q_lens = {100, 257, 0};
+    c.kv_lens = {180, 64, 300};
+    c.softcap = 50.0f;
+    c.q_gain = 16.0f;
+    add(c, true);
+  }
+  {
+    Case c{"h256 segments sinks spike gqa", 2, 400, 400, 4, 2, 256, bf, true};
+    AppendRuns(c.q_seg, {30, 170, 1, 199}, {0, 1, 2, 3});
+    AppendRuns(c.q_seg, {1, 63, 336}, {3, 4, 5});
+    c.kv_seg = c.q_seg;
+    c.sink = {1.5f, -0.5f, 0.0f, -kInf32};
+    c.spike = true;
+    add(c);
+  }
+  {
+    Case c{"h256 nan in a query row", 2, 256, 256, 2, 2, 256, bf, true};
+    c.nan = true;
+    add(c);
+  }
+  add({"h256 T=1 decode S=700", 2, 1, 700, 4, 2, 256, bf});
   add({"h128 T=1 decode S=1000", 3, 1, 1000, 4, 2, 128, bf});
   add({"h128 T=1 causal br S=700", 2, 1, 700, 2, 2, 128, bf, true, true});
   add({"h128 S=1 T=200 causal br", 2, 200, 1, 2, 2, 128, bf, true, true});
@@ -453,6 +481,15 @@ std::vector<BwdCase> SmallCases() {
   s.softcap = 30.0f;
   v.push_back({s, false});
   v.push_back({s, false, true});
+  Case w{"small h256 segments softcap padding", 2, 150, 170, 4, 2, 256, DType::kBFloat16, true};
+  AppendRuns(w.q_seg, {1, 100, 49}, {1, 2, 3});
+  AppendRuns(w.q_seg, {150}, {4});
+  AppendRuns(w.kv_seg, {20, 100, 50}, {1, 2, 3});
+  AppendRuns(w.kv_seg, {170}, {4});
+  w.q_lens = {150, 90};
+  w.kv_lens = {170, 160};
+  w.softcap = 30.0f;
+  v.push_back({w, true});
   return v;
 }
 
@@ -462,7 +499,8 @@ void Perf(int only_shape, float softcap, int docs, bool deterministic) {
   struct Shape { int B, T, N, K, H; bool causal; };
   const Shape shapes[] = {{4, 2048, 32, 32, 128, true}, {4, 2048, 32, 32, 128, false},
                           {2, 8192, 16, 16, 128, true}, {4, 4096, 32, 8, 128, true},
-                          {8, 2048, 16, 16, 64, true},  {16, 1024, 16, 16, 128, true}};
+                          {8, 2048, 16, 16, 64, true},  {16, 1024, 16, 16, 128, true},
+                          {4, 2048, 16, 16, 256, true}};
   if (softcap > 0) std::printf("\nsoft cap %g", softcap);
   if (docs > 0) std::printf("\n%d documents per row (segment ids)", docs);
   if (deterministic) std::printf("\ndeterministic backward (ordered dQ)");

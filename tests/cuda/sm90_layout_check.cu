@@ -8,6 +8,12 @@
 // warpgroup gets the same partition as its first thread -- checked here for
 // each operand and head dim, together with the converse for S^T's A operand
 // (the two warpgroups own different keys, so theirs must differ).
+// The head-dim-256 backward (bwd_config_wide.h, bwd_mainloop_consumer_wide.h):
+// the same uniformity, the two warpgroups' split (queries of S^T, columns of
+// dK, dV and dQ), and that its two dQ GEMMs of 128 columns each land where the
+// post-pass reads them: element i of a thread's 64 is (row, column) of the
+// whole-H partition, and the first 8192 elements of K's tile are its first
+// 128 columns.
 // Also: the persistent forward's tile sequence is a bijection onto the tiles,
 // longest first within each L2 section (tile_scheduler.h).
 // Exit code 1 on any mismatch.
@@ -17,6 +23,7 @@
 #include <cute/tensor.hpp>
 
 #include "maxattn/sm90/bwd_config.h"
+#include "maxattn/sm90/bwd_config_wide.h"
 #include "maxattn/sm90/kernel_config.h"
 #include "maxattn/sm90/tile_scheduler.h"
 
@@ -83,6 +90,75 @@ int CheckWarpgroupUniformOperands() {
   std::printf("backward H=%d%s: operand partitions warpgroup-uniform: %s\n", Config::kHeadDim,
               Config::kSoftcap ? " (fp16, soft cap)" : "", check.mismatches == 0 ? "ok" : "FAILED");
   return check.mismatches;
+}
+
+template <class Config>
+int CheckWideBackward() {
+  using Element = typename Config::Element;
+  auto* base = FakeSmemBase<Element>();
+  Tensor sQ = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutK{});
+  Tensor sPt = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutPt{});
+  Tensor sdS = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutdS{});
+  Tensor sKt = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutKtHalfH{});
+  typename Config::TiledMmaSdP mma_sdp;
+  typename Config::TiledMmadKV mma_dkv;
+  typename Config::TiledMmadQ mma_dq;
+  UniformityCheck check{"backward H=256"};
+  for (int t = 0; t < Config::kConsumerThreads; ++t) {
+    const int first = t / 128 * 128;
+    auto sdp = mma_sdp.get_thread_slice(t), sdp0 = mma_sdp.get_thread_slice(first);
+    check.ExpectSame(sdp.partition_A(sK), sdp0.partition_A(sK), "S^T/dP^T A (K, V)", t);
+    check.ExpectSame(sdp.partition_B(sQ), sdp0.partition_B(sQ), "S^T/dP^T B (Q, dO)", t);
+    auto dkv = mma_dkv.get_thread_slice(t), dkv0 = mma_dkv.get_thread_slice(first);
+    check.ExpectSame(dkv.partition_A(sPt), dkv0.partition_A(sPt), "dK/dV A (P^T, dS^T)", t);
+    check.ExpectSame(dkv.partition_B(sQt), dkv0.partition_B(sQt), "dK/dV B (Q^T, dO^T)", t);
+    auto dq = mma_dq.get_thread_slice(t), dq0 = mma_dq.get_thread_slice(first);
+    check.ExpectSame(dq.partition_A(sdS), dq0.partition_A(sdS), "dQ A (dS)", t);
+    check.ExpectSame(dq.partition_B(sKt), dq0.partition_B(sKt), "dQ B (K^T half)", t);
+  }
+  int split = 0;  // the warpgroups share the keys and split queries (S^T) and columns (dK, dV, dQ)
+  auto wg0 = [](auto& mma) { return mma.get_thread_slice(0); };
+  auto wg1 = [](auto& mma) { return mma.get_thread_slice(128); };
+  split += wg0(mma_sdp).partition_A(sK).data() != wg1(mma_sdp).partition_A(sK).data();
+  split += wg0(mma_sdp).partition_B(sQ).data() == wg1(mma_sdp).partition_B(sQ).data();
+  split += wg0(mma_dkv).partition_B(sQt).data() == wg1(mma_dkv).partition_B(sQt).data();
+  split += wg0(mma_dq).partition_B(sKt).data() == wg1(mma_dq).partition_B(sKt).data();
+  if (split) std::printf("  H=256: %d operand(s) not split between the warpgroups as planned\n", split);
+
+  // dQ: the consumer's GEMM of column half h gives a thread the coordinates of its 128-column
+  // partition shifted by 128 h; the post-pass maps element 32 h + i with the whole-H partition.
+  int dq_map = 0;
+  constexpr int kBlockM = Config::kBlockM, kHalf = Config::kHeadDim / 2;
+  for (int t = 0; t < Config::kConsumerThreads; ++t) {
+    auto thr = mma_dq.get_thread_slice(t);
+    Tensor whole = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Config::kHeadDim>>{}));
+    Tensor half = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHalf>>{}));
+    static_assert(decltype(size(whole))::value == 2 * decltype(size(half))::value);
+    for (int i = 0; i < size(whole); ++i) {
+      const int h = i / size(half), j = i % size(half);
+      if (get<0>(whole(i)) != get<0>(half(j)) || get<1>(whole(i)) != get<1>(half(j)) + kHalf * h) ++dq_map;
+    }
+  }
+  if (dq_map) std::printf("  H=256: %d dQ elements where the post-pass reads another column\n", dq_map);
+
+  // K's tile: columns [128 h, 128 h + 128) of every key are the half tile at element 8192 h
+  // (offsets before the swizzle, which 16 KB steps keep).
+  int k_half = 0;
+  const auto k_layout = typename Config::SmemLayoutK{};
+  const auto half_layout = typename Config::SmemLayoutKtHalfH{};  // (column, key) of one half
+  for (int key = 0; key < Config::kBlockN; ++key) {
+    for (int col = 0; col < Config::kHeadDim; ++col) {
+      const int h = col / kHalf;
+      if (k_layout(key, col) != h * Config::kBlockN * kHalf + half_layout(col % kHalf, key)) ++k_half;
+    }
+  }
+  if (k_half) std::printf("  H=256: %d elements of K outside their column half's tile\n", k_half);
+  const int failures = check.mismatches + split + dq_map + k_half;
+  std::printf("backward H=256%s: uniform operands, warpgroup split, dQ halves, K halves: %s\n",
+              Config::kSoftcap ? " (fp16, soft cap)" : "", failures == 0 ? "ok" : "FAILED");
+  return failures;
 }
 
 // The forward's consumers do the same for S = Q K^T (A: their 64 query rows, B: the key block)
@@ -177,6 +253,8 @@ int main() {
   failures += CheckWarpgroupUniformOperands<BwdConfig<128, cutlass::bfloat16_t>>();
   failures += CheckWarpgroupUniformOperands<BwdConfig<64, cutlass::bfloat16_t>>();
   failures += CheckWarpgroupUniformOperands<BwdConfig<128, cutlass::half_t, true>>();
+  failures += CheckWideBackward<maxattn::sm90::BwdWideConfig<cutlass::bfloat16_t>>();
+  failures += CheckWideBackward<maxattn::sm90::BwdWideConfig<cutlass::half_t, true>>();
   using maxattn::sm90::FwdConfig;
   failures += CheckForwardOperands<FwdConfig<64, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(64, false), false>>();
   failures += CheckForwardOperands<FwdConfig<128, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(128, false), false>>();

@@ -252,14 +252,15 @@ def test_bad_input_raises_at_trace_time(name, mutate, exc, match):
 
 def test_auto_mode_order_and_fallback(monkeypatch):
     """implementation=None: the platform's backends in order (on a GPU cudnn, then sm90; sm90 first at
-    head dim 128 and for segment ids without max_segments_per_row), the first that can run the call;
+    head dims 128 and 256 and for segment ids without max_segments_per_row), the first that can run the call;
     when none can, "xla" with one warning naming every backend's reason."""
     from maxattn._src import api, backends
     from maxattn._src.call import Call, Operands, Options
 
     assert backends.auto_order("cpu") == ("cpu",) == backends.auto_order("cpu", 128, True)
-    assert backends.auto_order("gpu", 128) == ("sm90", "cudnn") == backends.auto_order("cuda", 128)
-    for head_dim in (64, 256, None):
+    for head_dim in (128, 256):
+        assert backends.auto_order("gpu", head_dim) == ("sm90", "cudnn") == backends.auto_order("cuda", head_dim)
+    for head_dim in (64, None):
         assert backends.auto_order("gpu", head_dim) == ("cudnn", "sm90") == backends.auto_order("cuda", head_dim)
         assert backends.auto_order("gpu", head_dim, dense_segments=True) == ("sm90", "cudnn")
     assert backends.auto_order("tpu") == ()
@@ -273,8 +274,8 @@ def test_auto_mode_order_and_fallback(monkeypatch):
     monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
     refusals = {}
     monkeypatch.setattr(backends, "unsupported_reason", lambda name, call: refusals.get(name))
-    assert api._choose_backend(None, call(128)) == "sm90"
-    assert api._choose_backend(None, call(64)) == "cudnn" == api._choose_backend(None, call(256))
+    assert api._choose_backend(None, call(128)) == "sm90" == api._choose_backend(None, call(256))
+    assert api._choose_backend(None, call(64)) == "cudnn"
     assert api._choose_backend(None, call(64, segments=True)) == "sm90"
     assert api._choose_backend(None, call(64, segments=True, max_segments=2)) == "cudnn"  # its ragged path
     refusals["sm90"] = "not a Hopper GPU (test)"

@@ -63,7 +63,7 @@ def _cudnn(q, k, v, bias, **kwargs):
     return maxattn.dot_product_attention(q, k, v, bias, implementation="cudnn", **kwargs)
 
 
-# The sm90 backend (our Hopper forward; our backward at head dims 64 and 128, cuDNN's at 256) runs
+# The sm90 backend (our Hopper forward and backward) runs
 # the cases without a bias whose head dims are equal and 64, 128 or 256 -- decided here from the
 # case, so no case is skipped.
 BACKENDS = ("cudnn", "sm90")
@@ -274,9 +274,8 @@ def test_auto_mode_runs_soft_cap_on_sm90():
     assert_close(out, r_out, OUT_TOL[jnp.bfloat16], "out")
 
 
-# Soft-capped calls on sm90: the kernel's tanh softmax forward; the backward is ours at head dims 64
-# and 128 (gradient through tanh), at 256 the pure-JAX one of backends/xla.py (cuDNN has no soft cap), in
-# key blocks of 128 (S = 200: two, the second partial). q is scaled up so that the raw logits (std ~4, max
+# Soft-capped calls on sm90: the kernels' tanh softmax forward and the backward's gradient through
+# tanh, at every head dim (cuDNN has no soft cap). q is scaled up so that the raw logits (std ~4, max
 # ~15) are bent by the cap of 10.
 SOFTCAP_CASES = {
     "h64_causal_gqa": (2, 256, 256, 4, 2, 64, jnp.bfloat16, {"is_causal": True}),
@@ -320,13 +319,16 @@ def test_sm90_max_logit_with_odd_lengths():
     assert_max_logit_close(b["max_logit"], r["max_logit"], MAX_TOL[jnp.bfloat16])
 
 
-# Which backward an sm90 call compiles to: ours at head dims 64 and 128, cuDNN's at 256.
-@pytest.mark.parametrize("H, target", [(64, "maxattn_attention_bwd_sm90"), (128, "maxattn_attention_bwd_sm90"),
-                                       (256, "maxattn_attention_bwd_cuda")])
-def test_sm90_backward_target(H, target):
+# Which backward an sm90 call compiles to: ours at every head dim, except the deterministic mode at
+# 256 (no room for its turn table in that kernel's shared memory), which is cuDNN's.
+@pytest.mark.parametrize("H, deterministic, target", [(64, False, "maxattn_attention_bwd_sm90"),
+                                                      (128, True, "maxattn_attention_bwd_sm90"),
+                                                      (256, False, "maxattn_attention_bwd_sm90"),
+                                                      (256, True, "maxattn_attention_bwd_cuda")])
+def test_sm90_backward_target(H, deterministic, target):
     q, k, v = random_inputs(3, 1, 128, 128, 2, 2, H, H, jnp.bfloat16)
-    loss = lambda q, k, v: jnp.sum(maxattn.dot_product_attention(q, k, v, is_causal=True, implementation="sm90")
-                                   .astype(jnp.float32))
+    loss = lambda q, k, v: jnp.sum(maxattn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="sm90", deterministic_backward=deterministic).astype(jnp.float32))
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
     assert target in hlo
     other = {"maxattn_attention_bwd_sm90", "maxattn_attention_bwd_cuda"} - {target}

@@ -95,6 +95,8 @@ SEG_CASES = {
     # B = 3: unequal runs (a length-1 run, runs across 128-token tiles), one run, an all-padding row.
     "seg_b3_unequal_causal_h128": (3, 300, 300, 4, 2, 128, 128, None, lambda rng: dict(
         q_segment_ids=_runs(3, 300, _UNEQUAL), kv_segment_ids=_runs(3, 300, _UNEQUAL), is_causal=True)),
+    "seg_b3_unequal_causal_h256": (3, 300, 300, 4, 2, 256, 256, None, lambda rng: dict(
+        q_segment_ids=_runs(3, 300, _UNEQUAL), kv_segment_ids=_runs(3, 300, _UNEQUAL), is_causal=True)),
     "seg_padding_causal_gqa": (2, 128, 128, 4, 2, 64, 64, None, lambda rng: dict(
         q_segment_ids=_runs(2, 128, _PACKED), kv_segment_ids=_runs(2, 128, _PACKED), is_causal=True,
         query_seq_lengths=[110, 128], key_value_seq_lengths=[128, 70])),
@@ -114,7 +116,7 @@ SEG_CASES = {
 
 
 def _sm90_runs_seg(name):
-    """Whether the sm90 backend (its own forward; its backward at H 64/128) takes a SEG_CASES case."""
+    """Whether the sm90 backend (its own forward and backward) takes a SEG_CASES case."""
     _, _, _, _, _, H, Hv, bias_shape, build = SEG_CASES[name]
     return bias_shape is None and "mask" not in build(np.random.default_rng(0)) and H == Hv and H in (64, 128, 256)
 

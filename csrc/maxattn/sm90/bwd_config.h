@@ -1,5 +1,6 @@
-// maxattn sm90: compile-time configuration of one backward kernel instance,
-// and the backward's run-time arguments.
+// maxattn sm90: compile-time configuration of one backward kernel instance at
+// head dim 64 or 128, and the backward's run-time arguments (head dim 256 has
+// its own tiles: bwd_config_wide.h).
 //
 // One instance per (head dim 64 or 128, element type, soft cap or not); causal,
 // window, padding, segment ids and GQA are run-time arguments, as in the
@@ -34,25 +35,27 @@
 
 namespace maxattn::sm90 {
 
-constexpr int kBwdBlockM = 64;   // query rows per step
-constexpr int kBwdBlockN = 128;  // keys per CTA
+constexpr int kBwdBlockM = 64;  // query rows per step, every head dim
+// Keys per CTA: 128, or 64 at head dim 256, where the dK and dV accumulators of
+// 128 keys would not fit the consumers' registers (bwd_config_wide.h).
+constexpr int BwdBlockN(int head_dim) { return head_dim == 256 ? 64 : 128; }
 // The deterministic mode keeps one int per query block of a CTA's walk in shared
 // memory, past SharedStorage: at most this many query blocks (T <= 384,000),
 // which fits next to both instances' storage (the dQ staging slices included).
 constexpr int kBwdMaxOrderedQueryBlocks = 6000;
 
 // Whether the backward has kernels for this head dim.
-constexpr bool BwdSupportsHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128; }
+constexpr bool BwdSupportsHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 template <int kHeadDim_, class Element_, bool kSoftcap_ = false>
 struct BwdConfig {
   using Element = Element_;
   static constexpr bool kSoftcap = kSoftcap_;
   static constexpr int kHeadDim = kHeadDim_;
-  static_assert(BwdSupportsHeadDim(kHeadDim), "backward head dim 64 or 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 256: BwdWideConfig");
 
   static constexpr int kBlockM = kBwdBlockM;
-  static constexpr int kBlockN = kBwdBlockN;
+  static constexpr int kBlockN = BwdBlockN(kHeadDim);
   static constexpr int kStages = 2;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
@@ -66,6 +69,8 @@ struct BwdConfig {
   static constexpr bool kDqSplitKeys = kHeadDim == 64;
   // dq_accum slices per query block (bwd_epilogue.h): one per warpgroup at H = 128, one shared at H = 64.
   static constexpr int kDqSlices = kDqSplitKeys ? 1 : kConsumerWarpgroups;
+  // dQ goes through a staging slice and a writer warp (false: added from registers, bwd_config_wide.h).
+  static constexpr bool kDqFromRegisters = false;
 
   using BlockM = cute::Int<kBlockM>;
   using BlockN = cute::Int<kBlockN>;
@@ -119,7 +124,7 @@ struct BwdConfig {
 
   // One consumer warpgroup's dQ fragment: 64 x 64 fp32 (at H = 128 its column
   // half, at H = 64 its partial sum over its keys), staged for the bulk reduction.
-  static constexpr int kDqSliceFloats = kBlockM * 64;
+  static constexpr int kDqSliceFloats = kBlockM * kHeadDim / kDqSlices;
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesRowStats = kBlockM * sizeof(float);  // lse or D of one query block

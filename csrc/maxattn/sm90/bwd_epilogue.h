@@ -13,6 +13,9 @@
 // column) with the same thread slice of the dQ GEMM. At H = 128 the two
 // warpgroups own column halves (tile = their two slices); at H = 64 both add a
 // partial sum of the whole 64 x 64 tile (both slices go to the same tile).
+// At H = 256 (ReduceDq, bwd_config_wide.h) there is no room to stage: each
+// thread adds its 64 x 128 half's fragment straight from its registers, one
+// 16-byte vector reduction per four elements, into the same fragment order.
 // StoreDkDv, once per CTA: dV and scale * dK of the CTA's keys (rows j < S),
 // converted from the fp32 accumulators in registers and staged in shared
 // memory, then stored in 16-byte pieces of whole rows.
@@ -59,6 +62,21 @@ struct BwdEpilogue {
     CUTE_UNROLL
     for (int i = 0; i < size(dq); i += 4) {
       *reinterpret_cast<float4*>(slice + SliceIndex(wg_tid, i)) = make_float4(dq(i), dq(i + 1), dq(i + 2), dq(i + 3));
+    }
+  }
+
+  // The warpgroup's dQ fragment added into its dq_accum slice from registers
+  // (the kDqFromRegisters configs): red.global.add.v4.f32 in fragment order, so
+  // a warp's instruction covers 512 contiguous bytes.
+  // dq: the fragment's elements [first, first + size(dq)) (a GEMM of part of the columns).
+  template <class TensorDq>
+  __device__ static void ReduceDq(float* gmem_slice, const TensorDq& dq, int wg_tid, int first) {
+    using namespace cute;
+    static_assert(decltype(size(dq))::value % 4 == 0, "whole float4");
+    CUTE_UNROLL
+    for (int i = 0; i < size(dq); i += 4) {
+      atomicAdd(reinterpret_cast<float4*>(gmem_slice + SliceIndex(wg_tid, first + i)),
+                make_float4(dq(i), dq(i + 1), dq(i + 2), dq(i + 3)));
     }
   }
 

@@ -5,14 +5,18 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "maxattn/attention.h"
 #include "maxattn/sm90/bwd_config.h"
+#include "maxattn/sm90/bwd_config_wide.h"
 #include "maxattn/sm90/bwd_dq_writer.h"
 #include "maxattn/sm90/bwd_epilogue.h"
 #include "maxattn/sm90/bwd_mainloop_consumer.h"
+#include "maxattn/sm90/bwd_mainloop_consumer_wide.h"
 #include "maxattn/sm90/bwd_mainloop_producer.h"
 #include "maxattn/sm90/launch.h"
 #include "maxattn/sm90/mask.h"
@@ -20,6 +24,11 @@
 #include "maxattn/sm90/tile_scheduler.h"
 
 namespace maxattn::sm90 {
+
+// The configuration of the backward instance for a head dim.
+template <int kHeadDim, class Element, bool kSoftcap>
+using BwdConfigFor = std::conditional_t<kHeadDim == 256, BwdWideConfig<Element, kSoftcap>,
+                                        BwdConfig<kHeadDim, Element, kSoftcap>>;
 
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_constant__ BwdParams<Config> p) {
@@ -60,22 +69,30 @@ __global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_co
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
     if (warp == 0) {
       if (threadIdx.x == 0 && m_lo < m_hi) BwdProducer<Config>::Run(p, smem, pipe_q, pipe_do, tile, m_lo, m_hi);
-    } else if (warp <= Config::kConsumerWarpgroups && m_lo < m_hi) {  // warp w writes warpgroup w - 1's dQ
-      const int* order_table = reinterpret_cast<const int*>(smem_raw + sizeof(SharedStorage));
-      BwdDqWriter<Config>::Run(p.args, smem, tile, m_lo, m_hi, order_table, warp - 1,
-                               static_cast<int>(threadIdx.x) % 32);
+    }
+    if constexpr (!Config::kDqFromRegisters) {
+      if (warp >= 1 && warp <= Config::kConsumerWarpgroups && m_lo < m_hi) {  // warp w writes warpgroup w - 1's dQ
+        const int* order_table = reinterpret_cast<const int*>(smem_raw + sizeof(SharedStorage));
+        BwdDqWriter<Config>::Run(p.args, smem, tile, m_lo, m_hi, order_table, warp - 1,
+                                 static_cast<int>(threadIdx.x) % 32);
+      }
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
-    int* order_table = reinterpret_cast<int*>(smem_raw + sizeof(SharedStorage));
-    BwdConsumer<Config>::Run(p.args, smem, pipe_q, pipe_do, tile, m_lo, m_hi, static_cast<int>(blockIdx.x),
-                             order_table, static_cast<int>(threadIdx.x) - 128);
+    if constexpr (Config::kDqFromRegisters) {
+      BwdWideConsumer<Config>::Run(p.args, smem, pipe_q, pipe_do, tile, m_lo, m_hi,
+                                   static_cast<int>(threadIdx.x) - 128);
+    } else {
+      int* order_table = reinterpret_cast<int*>(smem_raw + sizeof(SharedStorage));
+      BwdConsumer<Config>::Run(p.args, smem, pipe_q, pipe_do, tile, m_lo, m_hi, static_cast<int>(blockIdx.x),
+                               order_table, static_cast<int>(threadIdx.x) - 128);
+    }
   }
 #endif
 }
 
 // After the main kernel, grid (num_m_blocks, N, B), one warpgroup per dQ slice
-// (two at H = 128, one at H = 64): dq = scale * dq_accum. Each thread first
+// (two at H = 128 and 256, one at H = 64): dq = scale * dq_accum. Each thread first
 // loads its eight float4 of the slice (coalesced, all in flight at once: the
 // fragment order of bwd_epilogue.h), maps them to (row, column) with the same
 // thread slice of the dQ GEMM into a padded bf16/fp16 tile in shared memory,
@@ -91,7 +108,7 @@ __global__ void __launch_bounds__(Config::kDqSlices * 128) BwdPostpassKernel(con
   constexpr int kBlockM = Config::kBlockM, kHeadDim = Config::kHeadDim;
   // 16 bytes of padding per row: the 8 rows of a warp's fragment stores hit distinct banks.
   constexpr int kPitch = kHeadDim + 8;
-  constexpr int kVectors = Config::kDqSliceFloats / 128 / 4;  // float4 per thread
+  constexpr int kVectors = Config::kDqSliceFloats / 128 / 4;  // float4 per thread: 8, or 16 at H = 256
   constexpr int kChunksPerRow = kHeadDim * static_cast<int>(sizeof(Element)) / 16;
   __shared__ alignas(16) Element tile[kBlockM * kPitch];
   const int w = static_cast<int>(threadIdx.x) / 128, t = static_cast<int>(threadIdx.x) % 128;
@@ -134,7 +151,7 @@ template <int kHeadDim, class Element, bool kSoftcap>
 Status LaunchBackward(const BwdArgs& args, const void* q, const void* k, const void* v, const void* dout,
                       cudaStream_t stream) {
   using namespace cute;
-  using Config = BwdConfig<kHeadDim, Element, kSoftcap>;
+  using Config = BwdConfigFor<kHeadDim, Element, kSoftcap>;
   auto gmem = [](const void* ptr, int len, int heads, int batch) {
     const int64_t row = static_cast<int64_t>(heads) * kHeadDim;
     return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),

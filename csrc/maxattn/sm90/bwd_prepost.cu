@@ -118,6 +118,9 @@ Status LaunchPrepassKernel(const BwdPrepassArgs& args, dim3 grid, cudaStream_t s
     case 128:
       BwdPrepassKernel<Pair, 128><<<grid, kWarps * 32, 0, stream>>>(args);
       break;
+    case 256:
+      BwdPrepassKernel<Pair, 256><<<grid, kWarps * 32, 0, stream>>>(args);
+      break;
     default:
       return Status::Internal("sm90 backward pre-pass: no instance for head_dim " + std::to_string(args.head_dim));
   }

@@ -37,6 +37,9 @@ Status DispatchBackward(const AttentionShape& shape, const sm90::BwdArgs& args, 
     case 128:
       return bf16 ? LaunchBackward<128, cutlass::bfloat16_t, kSoftcap>(args, q, k, v, dout, stream)
                   : LaunchBackward<128, cutlass::half_t, kSoftcap>(args, q, k, v, dout, stream);
+    case 256:
+      return bf16 ? LaunchBackward<256, cutlass::bfloat16_t, kSoftcap>(args, q, k, v, dout, stream)
+                  : LaunchBackward<256, cutlass::half_t, kSoftcap>(args, q, k, v, dout, stream);
     default:
       return Status::Internal("sm90 attention: no backward kernel for head_dim " + std::to_string(shape.head_dim));
   }
@@ -90,7 +93,7 @@ Status BackwardImpl(const AttentionShape& shape, const AttentionOptions& options
 
   sm90::BwdArgs args;
   static_cast<sm90::ProblemArgs&>(args) =
-      sm90::MakeProblemArgs(shape, options, inputs, sm90::kBwdBlockM, sm90::kBwdBlockN);
+      sm90::MakeProblemArgs(shape, options, inputs, sm90::kBwdBlockM, sm90::BwdBlockN(static_cast<int>(H)));
   args.t_pad = args.num_m_blocks * sm90::kBwdBlockM;
   args.dq = grads.dq;
   args.dk = grads.dk;
@@ -166,7 +169,11 @@ std::optional<std::string> Sm90BackwardUnsupportedReason(const AttentionShape& s
                                                          const AttentionInputs& inputs) {
   if (auto reason = Sm90UnsupportedReason(shape, options, inputs)) return reason;
   if (!sm90::BwdSupportsHeadDim(static_cast<int>(shape.head_dim))) {
-    return "sm90 backward: head_dim must be 64 or 128 (got " + std::to_string(shape.head_dim) + ")";
+    return "sm90 backward: head_dim must be 64, 128 or 256 (got " + std::to_string(shape.head_dim) + ")";
+  }
+  // bwd_config_wide.h: the head-dim-256 kernel's shared memory has no room for the turn table.
+  if (options.deterministic && shape.head_dim == 256) {
+    return std::string("sm90 backward: deterministic_backward=True needs head_dim 64 or 128 (got 256)");
   }
   if (shape.num_kv_heads > 65535) return std::string("sm90 backward: num_kv_heads must be at most 65535");
   if (options.deterministic && shape.q_len > int64_t{sm90::kBwdMaxOrderedQueryBlocks} * sm90::kBwdBlockM) {

@@ -21,13 +21,15 @@ _MODULES = {
 # sm90 refuses (a GPU other than Hopper, a bias or mask, dropout, unequal head dims) and sm90 what
 # cuDNN refuses (a soft cap); both refusals are part of the fallback warning when neither runs.
 _AUTO = {"cpu": ("cpu",), "gpu": ("cudnn", "sm90"), "cuda": ("cudnn", "sm90")}
-# Where both run, our Hopper kernels come first at head dim 128: there they match cuDNN's forward and
-# forward+backward by device time and reduce max_logit inside the kernel (H100, 2026-12-06,
-# bench/RESULTS.md). cuDNN's forward is faster at 64 and 256 (187 us against 200 at
-# (8,2048,16,16,64) causal, 255 against 266 at (4,2048,16,16,256) causal; one H100 run), and so is
-# its backward at 64. Segment ids go to sm90 at every head dim: cuDNN folds them into an O(T*S)
-# dense bias (10x slower at T = 8192) unless max_segments_per_row promises its ragged layout.
-_SM90_FIRST_HEAD_DIMS = (128,)
+# Where both run, our Hopper kernels come first at head dims 128 and 256. At 128 they match cuDNN's
+# forward and forward+backward by device time and reduce max_logit inside the kernel (H100,
+# 2026-12-06, bench/RESULTS.md). At 256 cuDNN's forward is ~3% faster (252 us against 260 at
+# (4,2048,16,16,256) causal, about even once max_logit's second kernel is counted) but ours trains
+# faster: forward+backward 1311 us against 1346 (H100, 2026-12-06, tenth session). At 64 cuDNN is
+# faster both ways (187 us against 200 forward at (8,2048,16,16,64) causal). Segment ids go to sm90 at
+# every head dim: cuDNN folds them into an O(T*S) dense bias (10x slower at T = 8192) unless
+# max_segments_per_row promises its ragged layout.
+_SM90_FIRST_HEAD_DIMS = (128, 256)
 
 
 def names() -> tuple[str, ...]:
