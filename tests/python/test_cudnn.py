@@ -212,7 +212,7 @@ def test_unsupported_configurations_raise_with_reason(kwargs, dtype, needle):
         maxattn.dot_product_attention(q, k, v, implementation="cudnn", **kwargs)
 
 
-def test_auto_prefers_sm90_at_head_dim_128_then_cudnn_and_falls_back_with_warning():
+def test_auto_prefers_sm90_at_head_dims_128_and_256_then_cudnn_and_falls_back_with_warning():
     q, k, v = random_inputs(2, 1, 64, 64, 2, 2, 128, 128, jnp.bfloat16)
     # A soft cap (no cuDNN) with a bias (not on sm90): neither fused GPU backend runs it, and the
     # one warning names both refusals.
@@ -237,6 +237,12 @@ def test_auto_prefers_sm90_at_head_dim_128_then_cudnn_and_falls_back_with_warnin
     assert "maxattn_attention_fwd_cuda" in hlo and "maxattn_attention_fwd_sm90" not in hlo
     hlo = lower(q_segment_ids=seg, kv_segment_ids=seg)
     assert "maxattn_attention_fwd_sm90" in hlo and "maxattn_attention_fwd_cuda" not in hlo
+    # Head dim 256: sm90 first (its forward + backward outruns cuDNN's), with its own backward.
+    q, k, v = random_inputs(4, 1, 64, 64, 2, 2, 256, 256, jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(maxattn.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    assert "maxattn_attention_fwd_sm90" in hlo and "maxattn_attention_bwd_sm90" in hlo
+    assert "maxattn_attention_fwd_cuda" not in hlo and "maxattn_attention_bwd_cuda" not in hlo
 
 
 @pytest.mark.parametrize("kwargs, needle", [
