@@ -26,8 +26,8 @@
 #include "maxattn/sm90/barrier.h"
 #include "maxattn/sm90/bwd_config.h"
 #include "maxattn/sm90/bwd_epilogue.h"
+#include "maxattn/sm90/bwd_score_step.h"
 #include "maxattn/sm90/gemm.h"
-#include "maxattn/sm90/mask.h"
 #include "maxattn/sm90/softmax.h"
 #include "maxattn/sm90/tile_scheduler.h"
 
@@ -48,7 +48,6 @@ struct BwdWideConsumer {
     using BlockM = typename Config::BlockM;
     using BlockN = typename Config::BlockN;
     using HeadDim = typename Config::HeadDim;
-    constexpr int kBlockM = Config::kBlockM;
     constexpr int kBlockN = Config::kBlockN;
     // Warp-uniform through a shuffle, so the GEMM descriptors live in uniform registers (as in
     // bwd_mainloop_consumer.h).
@@ -118,43 +117,21 @@ struct BwdWideConsumer {
         const int head = tile.kv_head * a.group + g;
         for (int m = m_lo; m < m_hi; ++m) {
           const int stage = static_cast<int>(state.index());
-          const int m0 = m * kBlockM;
           Tensor tSrS = partition_fragment_C(mma_sdp, Shape<BlockN, BlockM>{});
           Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<BlockN, BlockM>{});
           pipe_q.consumer_wait(state);
           IssueGemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
           pipe_do.consumer_wait(state);
           IssueGemm<true, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
-          const BlockMask mask = BlockMask::Make(a, tile.batch, m);
-          const bool need_mask = mask.template TileNeedsMask<kBlockM, kBlockN>(a, m0, n0) ||
-                                 m0 + kBlockM > mask.q_valid;
+          const BwdScoreStep<Config> scores(a, tile.batch, m, n0);  // the mask, decided while the GEMMs run
           float stats[kCols];
-          CUTE_UNROLL
-          for (int c = 0; c < kCols; ++c) stats[c] = smem.lse_log2[stage][get<1>(cS_rc(0, c))];
-
-          warpgroup_wait<1>();
-          warpgroup_fence_operand(tSrS);
-          Tensor s = make_tensor(tSrS.data(), RowColLayout(tSrS.layout()));
+          LoadColumnStats(stats, smem.lse_log2[stage], cS_rc);
           Tensor rP = make_tensor_like<Element>(tSrS);
-          Tensor p = make_tensor(rP.data(), s.layout());
-          if (need_mask) {
-            mask.ApplyTransposed(a, s, cS_rc, m0, n0);
-            grad.template Probabilities<true>(s, p, stats);
-          } else {
-            grad.template Probabilities<false>(s, p, stats);
-          }
+          scores.Probabilities(a, grad, tSrS, rP, cS_rc, stats);
           copy(copy_pds, thr_copy_pds.retile_S(rP), tPsPt(_, _, _, buffer));
-          CUTE_UNROLL
-          for (int c = 0; c < kCols; ++c) stats[c] = smem.dpsum[stage][get<1>(cS_rc(0, c))];
-
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tdPrdP);
-          Tensor dp = make_tensor(tdPrdP.data(), s.layout());
-          if (need_mask) grad.template ScoreGrad<true>(s, dp, stats);
-          else grad.template ScoreGrad<false>(s, dp, stats);
+          LoadColumnStats(stats, smem.dpsum[stage], cS_rc);
           Tensor rdS = make_tensor_like<Element>(tdPrdP);
-          CUTE_UNROLL
-          for (int i = 0; i < size(rdS); ++i) rdS(i) = static_cast<Element>(tdPrdP(i));
+          scores.ScoreGrad(grad, tSrS, tdPrdP, rdS, stats);
           copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdSt(_, _, _, buffer));
 
           // Both warpgroups' P^T and dS^T are in shared memory, visible to the tensor cores.
