@@ -118,8 +118,9 @@ def reference64(q, k, v, bias, ct_out, ct_lse, **kwargs: Any):
 
 def use_xla_backend_in_key_blocks(monkeypatch: pytest.MonkeyPatch, key_block: int) -> None:
     """implementation="xla" through the backend stack (custom_vjp with backends/xla.py's backward,
-    as under context parallelism and behind sm90's capped head-dim-256 forward) instead of plain
-    JAX autodiff of the reference, its backward walking the keys in blocks of `key_block`."""
+    as under context parallelism and behind soft-capped sm90 forwards whose backward ours
+    refuses) instead of plain JAX autodiff of the reference, its backward walking the keys in
+    blocks of `key_block`."""
     from maxattn._src import api, partition, stack
     from maxattn._src.backends import xla
     monkeypatch.setattr(api, "_choose_backend", lambda implementation, call: "xla")

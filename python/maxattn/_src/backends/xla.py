@@ -2,8 +2,8 @@
 
 Used for `implementation="xla"` under context parallelism and sharding (the
 stack's partitioning code serves it like any backend), by the tests, and as
-the backward of sm90 forwards our kernels cannot differentiate (a soft cap at
-head dim 256). Its backward is the flash-attention backward from the given
+the backward of soft-capped sm90 forwards our backward kernel refuses (the
+deterministic mode at head dim 256; cuDNN has no soft cap). Its backward is the flash-attention backward from the given
 (global) lse and output, so it can run on a block of keys, like the fused
 backends, and it walks the keys in blocks itself: its memory is O(T) per key
 block, not the forward's O(T * S).
@@ -40,8 +40,8 @@ class XlaBackend:
     def backward(self, call: Call, saved: Saved) -> Grads:
         """The flash-attention backward, key block by key block (KEY_BLOCK keys per step of a
         lax.scan): O(B * N * T * KEY_BLOCK) memory instead of the [B, N, T, S] logits, so that
-        a call no fused kernel takes (the sm90 forward's soft cap at head dim 256) can train at
-        long sequence lengths. dQ is summed over the blocks in float32; dK, dV and dbias are
+        a call no fused kernel takes (a soft cap where the sm90 backward refuses the call) can
+        train at long sequence lengths. dQ is summed over the blocks in float32; dK, dV and dbias are
         per block."""
         ops, options = call.operands, call.options
         q, k, v = ops.query, ops.key, ops.value
