@@ -31,6 +31,14 @@
 
 namespace maxattn::sm90 {
 
+// dst[0, 4) += {a, b, c, d}, one 16-byte reduction (REDG.E.ADD.F32x4) that
+// returns nothing. atomicAdd(float4*) may compile to ATOMG, which waits for
+// its reply: it did where a fence follows the adds (the deterministic mode).
+__device__ __forceinline__ void RedAddF32x4(float* dst, float a, float b, float c, float d) {
+  asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+}
+
 // One thread: dst[0, bytes/4) += src[0, bytes/4) (fp32) by the bulk-copy unit,
 // in the current bulk group (16-byte aligned, bytes a multiple of 16).
 __device__ __forceinline__ void BulkReduceAddF32(float* dst, const float* src, int bytes) {
@@ -75,8 +83,7 @@ struct BwdEpilogue {
     static_assert(decltype(size(dq))::value % 4 == 0, "whole float4");
     CUTE_UNROLL
     for (int i = 0; i < size(dq); i += 4) {
-      atomicAdd(reinterpret_cast<float4*>(gmem_slice + SliceIndex(wg_tid, first + i)),
-                make_float4(dq(i), dq(i + 1), dq(i + 2), dq(i + 3)));
+      RedAddF32x4(gmem_slice + SliceIndex(wg_tid, first + i), dq(i), dq(i + 1), dq(i + 2), dq(i + 3));
     }
   }
 
