@@ -32,8 +32,9 @@
 namespace maxattn::sm90 {
 
 // dst[0, 4) += {a, b, c, d}, one 16-byte reduction (REDG.E.ADD.F32x4) that
-// returns nothing. atomicAdd(float4*) may compile to ATOMG, which waits for
-// its reply: it did where a fence follows the adds (the deterministic mode).
+// returns nothing. atomicAdd(float4*) with its result unused may still compile
+// to ATOMG, which waits for its reply: it did in a build where a __threadfence
+// followed the adds in the same loop (bench/RESULTS.md, eleventh session).
 __device__ __forceinline__ void RedAddF32x4(float* dst, float a, float b, float c, float d) {
   asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
                : "memory");
