@@ -444,6 +444,7 @@ std::vector<BwdCase> AllCases() {
     add(c);
   }
   add({"h256 T=1 decode S=700", 2, 1, 700, 4, 2, 256, bf});
+  add({"h256 long dense 700", 1, 700, 700, 2, 2, 256, bf});
   add({"h128 T=1 decode S=1000", 3, 1, 1000, 4, 2, 128, bf});
   add({"h128 T=1 causal br S=700", 2, 1, 700, 2, 2, 128, bf, true, true});
   add({"h128 S=1 T=200 causal br", 2, 200, 1, 2, 2, 128, bf, true, true});
@@ -454,7 +455,9 @@ std::vector<BwdCase> AllCases() {
   const std::vector<BwdCase> plain = v;
   for (const char* name : {"h128 dense", "h64 dense", "h128 gqa 8/2 causal", "h128 window 32,16",
                            "h128 padding lengths", "h128 segments B=3 unequal causal", "h128 sinks causal padding gqa",
-                           "h128 causal br T>S (masked rows)", "h64 long dense 1000", "h128 long causal 1024"}) {
+                           "h128 causal br T>S (masked rows)", "h64 long dense 1000", "h128 long causal 1024",
+                           "h256 gqa 8/2 causal br T>S", "h256 padding softcap causal", "h256 segments sinks spike gqa",
+                           "h256 long dense 700"}) {
     for (const BwdCase& b : plain) {
       if (b.c.name != name) continue;
       BwdCase d = b;

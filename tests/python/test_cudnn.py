@@ -325,12 +325,11 @@ def test_sm90_max_logit_with_odd_lengths():
     assert_max_logit_close(b["max_logit"], r["max_logit"], MAX_TOL[jnp.bfloat16])
 
 
-# Which backward an sm90 call compiles to: ours at every head dim, except the deterministic mode at
-# 256 (no room for its turn table in that kernel's shared memory), which is cuDNN's.
+# Which backward an sm90 call compiles to: ours at every head dim, in both modes.
 @pytest.mark.parametrize("H, deterministic, target", [(64, False, "maxattn_attention_bwd_sm90"),
                                                       (128, True, "maxattn_attention_bwd_sm90"),
                                                       (256, False, "maxattn_attention_bwd_sm90"),
-                                                      (256, True, "maxattn_attention_bwd_cuda")])
+                                                      (256, True, "maxattn_attention_bwd_sm90")])
 def test_sm90_backward_target(H, deterministic, target):
     q, k, v = random_inputs(3, 1, 128, 128, 2, 2, H, H, jnp.bfloat16)
     loss = lambda q, k, v: jnp.sum(maxattn.dot_product_attention(
@@ -367,6 +366,8 @@ DETERMINISTIC_CASES = {
                                                         kv_segment_ids="runs")),
     "sinks_causal": (2, 640, 640, 4, 2, 128, dict(is_causal=True, softmax_type="learnable",
                                                    sink_logits=np.array([0.5, -1.0, 2.0, 0.0], np.float32))),
+    "padding_gqa_h256": (2, 700, 700, 4, 2, 256, dict(query_seq_lengths=np.array([700, 333], np.int32),
+                                                        key_value_seq_lengths=np.array([650, 700], np.int32))),
 }
 
 

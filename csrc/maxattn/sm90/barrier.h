@@ -2,7 +2,8 @@
 // bar.arrive with an id and a thread count; id 0 is __syncthreads). The
 // forward's ping-pong turns use ids 2 and 3 (mainloop_consumer.h) and its out
 // staging ids 4 and 5 (epilogue.h), the backward's dS hand-over ids 1 to 3 and
-// its dQ hand-over to the writer warps 4 to 7 (bwd_config.h). Also the global-memory turn counters of the backward's
+// its dQ hand-over to the writer warps 4 to 7 (bwd_config.h; at head dim 256, which has no writer
+// warps, ids 4 and 5 are the consumers' turns of the deterministic mode: bwd_config_wide.h). Also the global-memory turn counters of the backward's
 // deterministic mode (bwd_dq_order.h): an acquire spin and a release add.
 #ifndef MAXATTN_SM90_BARRIER_H_
 #define MAXATTN_SM90_BARRIER_H_

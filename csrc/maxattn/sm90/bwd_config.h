@@ -44,6 +44,12 @@ constexpr int BwdBlockN(int head_dim) { return head_dim == 256 ? 64 : 128; }
 // which fits next to both instances' storage (the dQ staging slices included).
 constexpr int kBwdMaxOrderedQueryBlocks = 6000;
 
+// Turn counters of the deterministic mode per (batch, query head, query block):
+// one (bwd_dq_order.h's turns count both warpgroups), or at head dim 256 one
+// per (consumer warpgroup, dQ column half), whose adds are disjoint
+// (bwd_mainloop_consumer_wide.h).
+constexpr int BwdTurnCounters(int head_dim) { return head_dim == 256 ? 4 : 1; }
+
 // Whether the backward has kernels for this head dim.
 constexpr bool BwdSupportsHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
@@ -185,9 +191,10 @@ struct BwdArgs : ProblemArgs {
   void* dk = nullptr;               // [B, S, K, H]
   void* dv = nullptr;               // [B, S, K, H]
   int t_pad = 0;                    // num_m_blocks * kBwdBlockM
-  // Deterministic mode (bwd_dq_order.h): a turn counter per (b, query head,
-  // query block), [B, N, num_m_blocks] zeroed before the kernel. Null: dQ tiles
-  // are added in whatever order the CTAs get there.
+  // Deterministic mode (bwd_dq_order.h): BwdTurnCounters(H) turn counters per
+  // (b, query head, query block), [B, N, num_m_blocks, BwdTurnCounters(H)]
+  // zeroed before the kernel. Null: dQ tiles are added in whatever order the
+  // CTAs get there.
   int* dq_turns = nullptr;
 };
 

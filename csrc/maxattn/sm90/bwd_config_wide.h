@@ -25,7 +25,9 @@
 // adds its dQ fragment into dq_accum itself, by 16-byte vector reductions
 // (red.global.add.v4.f32) in the fragment order of bwd_epilogue.h: a warp's
 // instruction covers 512 contiguous bytes, whole lines in L2. Nor for the
-// deterministic mode's turn table: sm90_backward.cu refuses that mode here.
+// deterministic mode's turn table (bwd_dq_order.h): here each consumer
+// warpgroup counts its turn per step (EarlierWalksThrough) and waits for it
+// itself, with one counter per (warpgroup, dQ column half).
 #ifndef MAXATTN_SM90_BWD_CONFIG_WIDE_H_
 #define MAXATTN_SM90_BWD_CONFIG_WIDE_H_
 
@@ -60,6 +62,8 @@ struct BwdWideConfig {
   static constexpr int kDqSlices = kConsumerWarpgroups;
   static constexpr bool kDqFromRegisters = true;
   static constexpr int kDqSliceFloats = kBlockM * kHeadDim / kDqSlices;  // 64 x 128 fp32 per warpgroup
+  static constexpr int kTurnCounters = BwdTurnCounters(kHeadDim);  // per (warpgroup, column half)
+  static_assert(kTurnCounters == kConsumerWarpgroups * 2);
 
   using BlockM = cute::Int<kBlockM>;
   using BlockN = cute::Int<kBlockN>;
@@ -130,12 +134,13 @@ struct BwdWideConfig {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutdSt>> dst;
     alignas(128) float lse_log2[kStages][kBlockM];  // with Q
     alignas(128) float dpsum[kStages][kBlockM];     // D - dlse, with dO
+    int turn_partial[kConsumerWarpgroups][4];       // deterministic mode: a warp's share of its warpgroup's turn
     alignas(16) typename Pipeline::SharedStorage pipe_q;
     alignas(16) typename Pipeline::SharedStorage pipe_do;
     alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_kv;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
-  // No turn table: the deterministic mode does not run at this head dim (sm90_backward.cu).
+  // No turn table: the deterministic mode counts each turn when it needs it.
   static constexpr int SmemBytes(bool /*ordered*/, int /*num_m_blocks*/) { return kSmemBytes; }
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");
 
@@ -146,6 +151,11 @@ struct BwdWideConfig {
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{},
                                              cute::Shape<BlockN, HeadDim>{}, cute::_1{}));
 };
+
+// Named barrier of consumer warpgroup w's turn in the deterministic mode (128
+// threads): the ids of the head-dim-64/128 kernels' dQ hand-over to their
+// writer warps, which this kernel does not have.
+constexpr int kBwdBarrierWideTurn = kBwdBarrierDqFull;
 
 }  // namespace maxattn::sm90
 

@@ -21,6 +21,11 @@
 // which a prefix sum turns into the count per query block. The turns are then
 // exactly the adds that will happen, in every mask case.
 //
+// The head-dim-256 kernel has no shared memory for that table: each consumer
+// warpgroup counts the turn of the step's query block itself
+// (EarlierWalksThrough, a strided share per thread of the earlier key blocks,
+// summed over the warpgroup), while the step's first GEMMs run.
+//
 // A CTA only ever waits for CTAs launched before its own, and the
 // hardware dispatches a grid's blocks in order, so those are resident or done:
 // the waits cannot deadlock.
@@ -103,6 +108,21 @@ class DqOrder {
   const int* table_ = nullptr;  // per query block of the walk: earlier CTAs that add to it
   int m_lo_ = 0;
 };
+
+// This thread's share of a turn without the table: how many of the CTAs
+// launched before the x-th of its row, taking every `threads`-th from `tid`,
+// walk query block m. `row`: BlockMask::MakeRow of the tile's batch row.
+template <class Config>
+__device__ int EarlierWalksThrough(const BwdArgs& a, const BlockMask& row, int x, int m, int tid, int threads) {
+  int count = 0;
+  for (int earlier = tid; earlier < x; earlier += threads) {
+    const int n_block = BwdStaticScheduler::KeyBlock(a, earlier, true);
+    int lo = 0, hi = 0;
+    row.template QueryBlockRange<Config::kBlockM, Config::kBlockN>(a, n_block * Config::kBlockN, &lo, &hi);
+    count += lo <= m && m < hi;
+  }
+  return count;
+}
 
 }  // namespace maxattn::sm90
 

@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_co
   } else {
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
     if constexpr (Config::kDqFromRegisters) {
-      BwdWideConsumer<Config>::Run(p.args, smem, pipe_q, pipe_do, tile, m_lo, m_hi,
+      BwdWideConsumer<Config>::Run(p.args, smem, pipe_q, pipe_do, tile, m_lo, m_hi, static_cast<int>(blockIdx.x),
                                    static_cast<int>(threadIdx.x) - 128);
     } else {
       int* order_table = reinterpret_cast<int*>(smem_raw + sizeof(SharedStorage));

@@ -17,6 +17,11 @@
 // warpgroup's GEMMs of the step before: it passed this step's barrier only
 // after they retired. dK and dV stay in registers for the whole walk and are
 // stored once (bwd_epilogue.h, StoreDkDv).
+// Deterministic mode (a.dq_turns set): before each of its two dQ adds a
+// warpgroup waits until its counter of that (query block, warpgroup, half)
+// has reached its turn -- the number of CTAs launched earlier whose walk
+// includes the block, counted at the top of the step (bwd_dq_order.h) -- and
+// releases it once its adds are done.
 #ifndef MAXATTN_SM90_BWD_MAINLOOP_CONSUMER_WIDE_H_
 #define MAXATTN_SM90_BWD_MAINLOOP_CONSUMER_WIDE_H_
 
@@ -25,6 +30,7 @@
 
 #include "maxattn/sm90/barrier.h"
 #include "maxattn/sm90/bwd_config.h"
+#include "maxattn/sm90/bwd_dq_order.h"
 #include "maxattn/sm90/bwd_epilogue.h"
 #include "maxattn/sm90/bwd_score_step.h"
 #include "maxattn/sm90/gemm.h"
@@ -41,9 +47,10 @@ struct BwdWideConsumer {
   using PipelineState = typename Config::PipelineState;
 
   // Walks query blocks [m_lo, m_hi) of every head of the tile's group (none
-  // when empty) and stores dK and dV of the tile's keys.
+  // when empty) and stores dK and dV of the tile's keys. launch_index: the
+  // CTA's place in its row (deterministic mode).
   __device__ static void Run(const BwdArgs& a, SharedStorage& smem, Pipeline& pipe_q, Pipeline& pipe_do,
-                             const BwdTile& tile, int m_lo, int m_hi, int consumer_tid) {
+                             const BwdTile& tile, int m_lo, int m_hi, int launch_index, int consumer_tid) {
     using namespace cute;
     using BlockM = typename Config::BlockM;
     using BlockN = typename Config::BlockN;
@@ -123,6 +130,16 @@ struct BwdWideConsumer {
           IssueGemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
           pipe_do.consumer_wait(state);
           IssueGemm<true, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
+          // Deterministic mode: this step's turn, counted while the GEMMs run.
+          int turn = 0;
+          if (a.dq_turns != nullptr) {
+            int count = EarlierWalksThrough<Config>(a, BlockMask::MakeRow(a, tile.batch), launch_index, m, wg_tid, 128);
+            count = __reduce_add_sync(0xffffffffu, count);
+            if (wg_tid % 32 == 0) smem.turn_partial[wg][wg_tid / 32] = count;
+            NamedBarrierSync(kBwdBarrierWideTurn + wg, 128);
+            turn = smem.turn_partial[wg][0] + smem.turn_partial[wg][1] + smem.turn_partial[wg][2] +
+                   smem.turn_partial[wg][3];
+          }
           const BwdScoreStep<Config> scores(a, tile.batch, m, n0);  // the mask, decided while the GEMMs run
           float stats[kCols];
           LoadColumnStats(stats, smem.lse_log2[stage], cS_rc);
@@ -139,6 +156,22 @@ struct BwdWideConsumer {
           NamedBarrierSync(kBwdBarrierDs, Config::kConsumerThreads);
           // dQ's two column halves in turn, each added while the tensor cores run dV or dK.
           float* dq_slice = BwdEpilogue<Config>::GmemSlice(a, tile.batch, head, m, wg);
+          // Adds half h's fragment, in turn in the deterministic mode.
+          auto add_dq = [&](const auto& frag, int h) {
+            if (a.dq_turns == nullptr) {
+              BwdEpilogue<Config>::ReduceDq(dq_slice, frag, wg_tid, h * decltype(size(frag))::value);
+              return;
+            }
+            int* counter = a.dq_turns +
+                           ((static_cast<int64_t>(tile.batch) * a.heads + head) * a.num_m_blocks + m) *
+                               Config::kTurnCounters + wg * 2 + h;
+            if (wg_tid == 0) WaitForCount(counter, turn);
+            NamedBarrierSync(kBwdBarrierWideTurn + wg, 128);
+            BwdEpilogue<Config>::ReduceDq(dq_slice, frag, wg_tid, h * decltype(size(frag))::value);
+            __threadfence();  // this thread's adds, before the warpgroup's release
+            NamedBarrierSync(kBwdBarrierWideTurn + wg, 128);
+            if (wg_tid == 0) ReleaseCount(counter);
+          };
           Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BlockM, typename Config::HalfH>{});
           Tensor tdQrdS_b = tdQrdS(_, _, _, buffer);
           Tensor tdVrPt_b = tdVrPt(_, _, _, buffer);
@@ -147,12 +180,12 @@ struct BwdWideConsumer {
           IssueGemm<false, false>(mma_dkv, tdVrPt_b, tdVrdO(_, _, _, stage), tdVrdV);
           warpgroup_wait<1>();
           warpgroup_fence_operand(tdQrdQ);
-          BwdEpilogue<Config>::ReduceDq(dq_slice, tdQrdQ, wg_tid, 0);
+          add_dq(tdQrdQ, 0);
           IssueGemm<true, false>(mma_dq, tdQrdS_b, tdQrK1, tdQrdQ);
           IssueGemm<false, false>(mma_dkv, tdKrdSt_b, tdKrQ(_, _, _, stage), tdKrdK);
           warpgroup_wait<1>();
           warpgroup_fence_operand(tdQrdQ);
-          BwdEpilogue<Config>::ReduceDq(dq_slice, tdQrdQ, wg_tid, decltype(size(tdQrdQ))::value);
+          add_dq(tdQrdQ, 1);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tdVrdV);
           warpgroup_fence_operand(tdKrdK);

@@ -108,7 +108,9 @@ Status BackwardImpl(const AttentionShape& shape, const AttentionOptions& options
   const size_t partial_bytes =
       grads.dsink != nullptr ? round256(static_cast<size_t>(B * N * sm90::BwdPrepassBlocks(args.t_pad)) * 4) : 0;
   const size_t turns_bytes =
-      options.deterministic ? round256(static_cast<size_t>(B * N * args.num_m_blocks) * 4) : 0;
+      options.deterministic
+          ? round256(static_cast<size_t>(B * N * args.num_m_blocks * sm90::BwdTurnCounters(static_cast<int>(H))) * 4)
+          : 0;
   const bool segments = inputs.q_segment_ids != nullptr;
   const size_t scratch_bytes = accum_bytes + 2 * stats_bytes + partial_bytes + turns_bytes +
                                (segments ? sm90::SegmentSummaryBytes(args, true) : 0);
@@ -170,10 +172,6 @@ std::optional<std::string> Sm90BackwardUnsupportedReason(const AttentionShape& s
   if (auto reason = Sm90UnsupportedReason(shape, options, inputs)) return reason;
   if (!sm90::BwdSupportsHeadDim(static_cast<int>(shape.head_dim))) {
     return "sm90 backward: head_dim must be 64, 128 or 256 (got " + std::to_string(shape.head_dim) + ")";
-  }
-  // bwd_config_wide.h: the head-dim-256 kernel's shared memory has no room for the turn table.
-  if (options.deterministic && shape.head_dim == 256) {
-    return std::string("sm90 backward: deterministic_backward=True needs head_dim 64 or 128 (got 256)");
   }
   if (shape.num_kv_heads > 65535) return std::string("sm90 backward: num_kv_heads must be at most 65535");
   if (options.deterministic && shape.q_len > int64_t{sm90::kBwdMaxOrderedQueryBlocks} * sm90::kBwdBlockM) {

@@ -11,12 +11,12 @@ The backward runs on the forward's residuals (out and the lse in the
 contract's natural-log [B, N, T] form) and is ours at head dims 64, 128 and
 256 (same features as the forward, the sinks' gradient included; dQ is
 summed by atomics, so it can differ in the last bits between runs unless
-`deterministic_backward=True` makes the CTAs add in turn). That mode has
-no kernel at head dim 256 (no shared memory left for its turn table), so
-there the backward is cuDNN's and the call must suit both (the reason names
-whichever refuses), or, with a soft cap, which cuDNN lacks, the pure-JAX
-one of xla.py (exact, in key blocks of 128, but XLA's float32 GEMMs).
-Our kernels are exact for any segment ids and ignore
+`deterministic_backward=True` makes the CTAs add in turn). Where our
+backward refuses a call the forward runs (Sm90BackwardUnsupportedReason:
+more than 65535 KV heads, or the deterministic mode past 384,000 queries)
+it is cuDNN's, and the call must suit both (the reason names whichever
+refuses), or, with a soft cap, which cuDNN lacks, the pure-JAX one of
+xla.py. Our kernels are exact for any segment ids and ignore
 `max_segments_per_row`; where the backward is cuDNN's that bound is
 refused, because cuDNN's ragged backward would poison the rows that break
 it while the sm90 forward is exact on them. `implementation=None` tries
@@ -84,8 +84,7 @@ def _own_backward(call: Call) -> bool:
 
 
 def _fallback_backward(call: Call):
-    """Whose backward serves an sm90 forward that ours cannot (the deterministic mode at head dim 256):
-    cuDNN's, or the pure-JAX one (xla.py) for a soft cap."""
+    """Whose backward serves an sm90 forward that ours cannot: cuDNN's, or the pure-JAX one (xla.py) for a soft cap."""
     return xla.BACKEND if call.options.softcap else cudnn.BACKEND
 
 
