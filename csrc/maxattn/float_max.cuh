@@ -22,14 +22,15 @@ __device__ __forceinline__ float NanMax(float a, float b) {
   return (a != a || b != b) ? __int_as_float(0x7fffffff) : fmaxf(a, b);
 }
 
-// *address = NanMax(*address, value), atomically (see the header comment).
+// *address = NanMax(*address, value), atomically (see the header comment):
+// one reduction that returns nothing (NaN becomes 0x7fffffff, so it takes the
+// signed max with the non-negative values).
 __device__ __forceinline__ void AtomicMaxFloat(float* address, float value) {
-  if (value != value) {
-    atomicMax(reinterpret_cast<int*>(address), 0x7fffffff);
-  } else if (__float_as_int(value) >= 0) {
-    atomicMax(reinterpret_cast<int*>(address), __float_as_int(value));
+  const int bits = value != value ? 0x7fffffff : __float_as_int(value);
+  if (bits >= 0) {
+    asm volatile("red.relaxed.gpu.global.max.s32 [%0], %1;" ::"l"(address), "r"(bits) : "memory");
   } else {
-    atomicMin(reinterpret_cast<unsigned int*>(address), __float_as_uint(value));
+    asm volatile("red.relaxed.gpu.global.min.u32 [%0], %1;" ::"l"(address), "r"(bits) : "memory");
   }
 }
 

@@ -50,24 +50,30 @@ struct Epilogue {
     // The row maxima are quad-uniform (QuadMax) and never NaN (fmaxf drops
     // NaN); a NaN logit shows in the thread's partial row sum only. So the
     // warp's max needs the three shuffles across quads, and its NaN one vote.
+    // Branch-free per row (a `continue` made the compiler keep the flag in
+    // a byte and merge it with PRMTs), the scale applied once to the warp's
+    // maximum (scale > 0, so max(scale * s) == scale * max(s) in fp32).
     float thread_max = -INFINITY;
     bool nan = false;
     CUTE_UNROLL
     for (int r = 0; r < size<0>(oc); ++r) {
-      if (m0 + get<0>(oc(r, 0)) >= mask.q_valid) continue;
+      const bool valid = m0 + get<0>(oc(r, 0)) < mask.q_valid;
+      const float row_max = softmax.row_max[r];
       const float sum = softmax.row_sum[r];
-      nan |= sum != sum && softmax.row_max[r] != INFINITY;
-      thread_max = fmaxf(thread_max, softmax.row_max[r] * args.scale);
+      nan = nan | (valid & (sum != sum) & (row_max != INFINITY));
+      thread_max = valid ? fmaxf(thread_max, row_max) : thread_max;
     }
     nan = __any_sync(0xffffffffu, nan);
     CUTE_UNROLL
     for (int offset = 16; offset >= 4; offset /= 2) {
       thread_max = fmaxf(thread_max, __shfl_xor_sync(0xffffffffu, thread_max, offset));
     }
-    if (consumer_tid % 32 == 0) {
-      AtomicMaxFloat(args.max_logit + static_cast<int64_t>(tile.batch) * args.max_logit_row_stride + tile.head,
-                     nan ? __int_as_float(0x7fffffff) : thread_max);
-    }
+    // Every lane holds the warp's value now, so every lane issues the
+    // reduction: the compiler merges the warp's into one (REDUX, one REDG)
+    // without the divergent branch a lane-0 test costs.
+    (void)consumer_tid;
+    AtomicMaxFloat(args.max_logit + static_cast<int64_t>(tile.batch) * args.max_logit_row_stride + tile.head,
+                   nan ? __int_as_float(0x7fffffff) : thread_max * args.scale);
   }
 
   // o: (rows, cols) fp32 accumulator view; oc: the (row, col) coordinates of
