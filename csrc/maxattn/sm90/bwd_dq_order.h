@@ -41,6 +41,22 @@
 
 namespace maxattn::sm90 {
 
+// Calls walk(lo, hi) with the query-block walk [lo, hi) of each CTA launched
+// before the x-th of the tile's row, taking every `threads`-th from `tid`
+// (key blocks launched last first: BwdStaticScheduler). `row`:
+// BlockMask::MakeRow of the tile's batch row. The one definition of which
+// earlier CTAs add to a query block, for both ways of counting turns below.
+template <class Config, class Walk>
+__device__ __forceinline__ void ForEachEarlierWalk(const BwdArgs& a, const BlockMask& row, int x, int tid,
+                                                   int threads, const Walk& walk) {
+  for (int earlier = tid; earlier < x; earlier += threads) {
+    const int n_block = BwdStaticScheduler::KeyBlock(a, earlier, true);
+    int lo = 0, hi = 0;
+    row.template QueryBlockRange<Config::kBlockM, Config::kBlockN>(a, n_block * Config::kBlockN, &lo, &hi);
+    walk(lo, hi);
+  }
+}
+
 template <class Config>
 class DqOrder {
  public:
@@ -57,18 +73,14 @@ class DqOrder {
     const int len = m_hi - m_lo;
     for (int i = consumer_tid; i <= len; i += kThreads) table[i] = 0;
     NamedBarrierSync(kBwdBarrierDs, kThreads);
-    const BlockMask row = BlockMask::MakeRow(a, tile.batch);
-    for (int earlier = consumer_tid; earlier < x; earlier += kThreads) {
-      const int n_block = BwdStaticScheduler::KeyBlock(a, earlier, true);
-      int lo = 0, hi = 0;
-      row.template QueryBlockRange<Config::kBlockM, Config::kBlockN>(a, n_block * Config::kBlockN, &lo, &hi);
+    ForEachEarlierWalk<Config>(a, BlockMask::MakeRow(a, tile.batch), x, consumer_tid, kThreads, [&](int lo, int hi) {
       lo = max(lo, m_lo);
       hi = min(hi, m_hi);
       if (lo < hi) {
         atomicAdd(&table[lo - m_lo], 1);
         atomicAdd(&table[hi - m_lo], -1);
       }
-    }
+    });
     NamedBarrierSync(kBwdBarrierDs, kThreads);
     if (consumer_tid == 0) {
       int run = 0;
@@ -115,13 +127,14 @@ class DqOrder {
 template <class Config>
 __device__ int EarlierWalksThrough(const BwdArgs& a, const BlockMask& row, int x, int m, int tid, int threads) {
   int count = 0;
-  for (int earlier = tid; earlier < x; earlier += threads) {
-    const int n_block = BwdStaticScheduler::KeyBlock(a, earlier, true);
-    int lo = 0, hi = 0;
-    row.template QueryBlockRange<Config::kBlockM, Config::kBlockN>(a, n_block * Config::kBlockN, &lo, &hi);
-    count += lo <= m && m < hi;
-  }
+  ForEachEarlierWalk<Config>(a, row, x, tid, threads, [&](int lo, int hi) { count += lo <= m && m < hi; });
   return count;
+}
+
+// The turn counter of (batch, query head, query block m) in BwdArgs::dq_turns
+// ([B, N, num_m_blocks, BwdTurnCounters(H)]), its `slot`-th of `counters`.
+__device__ __forceinline__ int* TurnCounter(const BwdArgs& a, int batch, int head, int m, int counters, int slot) {
+  return a.dq_turns + ((static_cast<int64_t>(batch) * a.heads + head) * a.num_m_blocks + m) * counters + slot;
 }
 
 }  // namespace maxattn::sm90

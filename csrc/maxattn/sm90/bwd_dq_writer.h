@@ -44,7 +44,7 @@ struct BwdDqWriter {
         if (lane == 0) {
           float* dst = BwdEpilogue<Config>::GmemSlice(a, tile.batch, head, m, wg);
           if (order.active()) {
-            int* counter = a.dq_turns + (static_cast<int64_t>(tile.batch) * a.heads + head) * a.num_m_blocks + m;
+            int* counter = TurnCounter(a, tile.batch, head, m, 1, 0);
             order.InTurn(counter, m, wg, [&] {
               BulkReduceAddF32(dst, slice, kBytes);
               BulkCommit();

@@ -162,9 +162,7 @@ struct BwdWideConsumer {
               BwdEpilogue<Config>::ReduceDq(dq_slice, frag, wg_tid, h * decltype(size(frag))::value);
               return;
             }
-            int* counter = a.dq_turns +
-                           ((static_cast<int64_t>(tile.batch) * a.heads + head) * a.num_m_blocks + m) *
-                               Config::kTurnCounters + wg * 2 + h;
+            int* counter = TurnCounter(a, tile.batch, head, m, Config::kTurnCounters, wg * 2 + h);
             if (wg_tid == 0) WaitForCount(counter, turn);
             NamedBarrierSync(kBwdBarrierWideTurn + wg, 128);
             BwdEpilogue<Config>::ReduceDq(dq_slice, frag, wg_tid, h * decltype(size(frag))::value);
