@@ -43,7 +43,7 @@ struct Epilogue {
   // the NaN test: the quad's four threads all enter the vote.
   template <class Softmax, class TensorC>
   __device__ static void MaxLogit(const FwdArgs& args, const Tile& tile, const BlockMask& mask,
-                                  const Softmax& softmax, const TensorC& oc, int consumer_tid) {
+                                  const Softmax& softmax, const TensorC& oc) {
     using namespace cute;
     if (args.max_logit == nullptr) return;
     const int m0 = tile.m_block * Config::kBlockM;
@@ -71,7 +71,6 @@ struct Epilogue {
     // Every lane holds the warp's value now, so every lane issues the
     // reduction: the compiler merges the warp's into one (REDUX, one REDG)
     // without the divergent branch a lane-0 test costs.
-    (void)consumer_tid;
     AtomicMaxFloat(args.max_logit + static_cast<int64_t>(tile.batch) * args.max_logit_row_stride + tile.head,
                    nan ? __int_as_float(0x7fffffff) : thread_max * args.scale);
   }

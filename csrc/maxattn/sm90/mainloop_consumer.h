@@ -189,7 +189,7 @@ struct ConsumerMainloop {
           if (wg == 0) NamedBarrierArrive(3, Config::kConsumerThreads);
         }
         // The row maxima are final: max_logit while the last GEMM runs.
-        Epilogue<Config>::MaxLogit(args, tile, mask, softmax, oc_rc, consumer_tid);
+        Epilogue<Config>::MaxLogit(args, tile, mask, softmax, oc_rc);
         max_logit_done = true;
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
@@ -199,7 +199,7 @@ struct ConsumerMainloop {
       // Q of this tile is no longer read: the producer may load the next one.
       smem.barrier_q_empty.arrive();
     }
-    if (!max_logit_done) Epilogue<Config>::MaxLogit(args, tile, mask, softmax, oc_rc, consumer_tid);
+    if (!max_logit_done) Epilogue<Config>::MaxLogit(args, tile, mask, softmax, oc_rc);
     softmax.Finalize();
     Epilogue<Config>::Store(args, tma_o, smem.o.data(), tile, mask, softmax, o_rc, oc_rc, consumer_tid);
   }

@@ -12,11 +12,10 @@ contract's natural-log [B, N, T] form) and is ours at head dims 64, 128 and
 256 (same features as the forward, the sinks' gradient included; dQ is
 summed by atomics, so it can differ in the last bits between runs unless
 `deterministic_backward=True` makes the CTAs add in turn). Where our
-backward refuses a call the forward runs (Sm90BackwardUnsupportedReason:
-more than 65535 KV heads, or the deterministic mode past 384,000 queries)
-it is cuDNN's, and the call must suit both (the reason names whichever
-refuses), or, with a soft cap, which cuDNN lacks, the pure-JAX one of
-xla.py. Our kernels are exact for any segment ids and ignore
+backward refuses a call the forward runs (its reason comes from the C++
+Sm90BackwardUnsupportedReason) it is cuDNN's, and the call must suit both
+(the reason names whichever refuses), or, with a soft cap, which cuDNN
+lacks, the pure-JAX one of xla.py. Our kernels are exact for any segment ids and ignore
 `max_segments_per_row`; where the backward is cuDNN's that bound is
 refused, because cuDNN's ragged backward would poison the rows that break
 it while the sm90 forward is exact on them. `implementation=None` tries
