@@ -21,6 +21,7 @@
 
 #include "maxattn/float_max.cuh"
 #include "maxattn/sm90/barrier.h"
+#include "maxattn/sm90/gemm.h"
 #include "maxattn/sm90/kernel_config.h"
 #include "maxattn/sm90/mask.h"
 #include "maxattn/sm90/softmax.h"
@@ -75,45 +76,37 @@ struct Epilogue {
                    nan ? __int_as_float(0x7fffffff) : thread_max * args.scale);
   }
 
-  // o: (rows, cols) fp32 accumulator view; oc: the (row, col) coordinates of
-  // each of its elements in the tile. softmax: finalised row statistics.
-  // Config::kTmaStoreOut: the warpgroup writes its 64 normalised rows into its
-  // half of smem_o (the 128-byte swizzle of the operand tiles: a warp's 4-byte
-  // stores of 8 rows hit 32 distinct banks) and one thread stores the half by
-  // TMA (rows past T are clipped there); the consumers go on to the next tile
-  // while the store runs, and the next tile's epilogue first waits until it has
-  // read the half. Otherwise each thread stores its pairs from registers (a
-  // quad's 16 bytes of a row: half of each 32-byte sector).
+  // o: this thread's fp32 accumulator fragment of the (kBlockM, H) tile
+  // (TiledMmaO's C partition); oc: the (row, col) coordinates of its elements,
+  // as a (rows, cols) view. softmax: finalised row statistics.
+  // Config::kTmaStoreOut: the normalised rows are converted in registers and
+  // written into the warpgroup's half of smem_o by stmatrix (16 bytes per
+  // thread and instruction, the 128-byte swizzle of the operand tiles applied
+  // by the shared-memory tensor), and one thread stores the half by TMA (rows
+  // past T are clipped there); the consumers go on to the next tile while the
+  // store runs, and the next tile's epilogue first waits until it has read the
+  // half. Otherwise each thread stores its pairs from registers (a quad's 16
+  // bytes of a row: half of each 32-byte sector).
   template <class Softmax, class TensorO, class TensorC>
   __device__ static void Store(const FwdArgs& args, const typename Config::TmaO& tma_o, Element* smem_o,
                                const Tile& tile, const BlockMask& mask, const Softmax& softmax, TensorO& o,
                                const TensorC& oc, int consumer_tid) {
     using namespace cute;
-    constexpr int kRowsPerWarpgroup = Config::WarpgroupRows::value;
     const int m0 = tile.m_block * Config::kBlockM;
     const int lane = consumer_tid % 32;
     const int wg = consumer_tid / 128;
     Element* out = static_cast<Element*>(args.out);
-    Tensor sO = make_tensor(make_smem_ptr(smem_o + wg * Config::kSmemOHalfElems),
-                            typename Config::SmemLayoutOHalf{});
-    // The staging coordinates again, from the thread index read anew: derived from oc, the compiler
-    // computed their swizzled offsets before the main loop and kept them (16 registers) in local
-    // memory across it.
-    int tid = 0;
-    if constexpr (Config::kTmaStoreOut) asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-    Tensor sc = typename Config::TiledMmaO{}.get_thread_slice(tid - 128).partition_C(
-        make_identity_tensor(Shape<typename Config::BlockM, typename Config::HeadDim>{}));
-    Tensor sc_rc = make_tensor(sc.data(), RowColLayout(sc.layout()));
-    if constexpr (Config::kTmaStoreOut) {
-      if (consumer_tid % 128 == 0) tma_store_wait<0>();  // the previous tile's store has read the half
-      NamedBarrierSync(kFwdBarrierOut + wg, 128);
-    }
+    Tensor o_rc = make_tensor(o.data(), RowColLayout(o.layout()));
     const bool has_sink = args.sink_logits != nullptr;
     const float sink = has_sink ? args.sink_logits[tile.head] : -INFINITY;
+    cutlass::NumericArrayConverter<Element, float, 2> convert;
     CUTE_UNROLL
-    for (int r = 0; r < size<0>(o); ++r) {
+    for (int r = 0; r < size<0>(o_rc); ++r) {
       const int i = m0 + get<0>(oc(r, 0));
-      if (i >= args.q_len) continue;
+      // Staged rows past T are written (as zeros: q_valid <= T) and clipped by the TMA store.
+      if constexpr (!Config::kTmaStoreOut) {
+        if (i >= args.q_len) continue;
+      }
       const float sum = softmax.row_sum[r];
       const bool empty = i >= mask.q_valid || sum == 0.0f;
       float inv = empty ? 0.0f : 1.0f / sum;  // NaN stays NaN
@@ -129,28 +122,40 @@ struct Epilogue {
           inv = expf(logit - lse);
         }
       }
-      if (args.lse != nullptr && (lane % 4) == 0) {
+      if (args.lse != nullptr && (lane % 4) == 0 && i < args.q_len) {
         args.lse[(static_cast<int64_t>(tile.batch) * args.heads + tile.head) * args.q_len + i] = lse;
       }
-      Element* row = out + ((static_cast<int64_t>(tile.batch) * args.q_len + i) * args.heads + tile.head) *
-                               static_cast<int64_t>(Config::kHeadDim);
-      cutlass::NumericArrayConverter<Element, float, 2> convert;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o); c += 2) {
-        cutlass::Array<float, 2> pair;
-        pair[0] = empty ? 0.0f : o(r, c) * inv;
-        pair[1] = empty ? 0.0f : o(r, c + 1) * inv;
-        const int col = get<1>(oc(r, c));
-        Element* dst = row + col;
-        if constexpr (Config::kTmaStoreOut) {
-          // Through the tensor: the smem pointer applies the 128-byte swizzle (the layout's own
-          // function, smem_ptr_flag in place of the address, leaves it out).
-          dst = &sO(get<0>(sc_rc(r, c)) - wg * kRowsPerWarpgroup, get<1>(sc_rc(r, c)));
+      if constexpr (Config::kTmaStoreOut) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) = empty ? 0.0f : o_rc(r, c) * inv;
+      } else {
+        Element* row = out + ((static_cast<int64_t>(tile.batch) * args.q_len + i) * args.heads + tile.head) *
+                                 static_cast<int64_t>(Config::kHeadDim);
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o_rc); c += 2) {
+          cutlass::Array<float, 2> pair;
+          pair[0] = empty ? 0.0f : o_rc(r, c) * inv;
+          pair[1] = empty ? 0.0f : o_rc(r, c + 1) * inv;
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(row + get<1>(oc(r, c))) = convert(pair);
         }
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(dst) = convert(pair);
       }
     }
     if constexpr (Config::kTmaStoreOut) {
+      Tensor rO = make_tensor<Element>(o.layout());
+      ConvertFragment(o, rO, convert);
+      Tensor sO = make_tensor(make_smem_ptr(smem_o + wg * Config::kSmemOHalfElems),
+                              typename Config::SmemLayoutOHalf{});
+      // The copy's thread slice from the thread index read anew: derived from consumer_tid, the
+      // compiler computed the swizzled staging offsets before the main loop and kept them in local
+      // memory across it.
+      int tid = 0;
+      asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+      auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
+                                      typename Config::TiledMmaOWarpgroup{});
+      auto thr_copy_o = copy_o.get_thread_slice(tid % 128);
+      if (consumer_tid % 128 == 0) tma_store_wait<0>();  // the previous tile's store has read the half
+      NamedBarrierSync(kFwdBarrierOut + wg, 128);
+      copy(copy_o, thr_copy_o.retile_S(rO), thr_copy_o.partition_D(sO));
       tma_store_fence();  // the staged rows are visible to the TMA unit
       NamedBarrierSync(kFwdBarrierOut + wg, 128);
       if (consumer_tid % 128 == 0) {

@@ -1,9 +1,11 @@
 // maxattn sm90: issuing one warpgroup-wide WGMMA GEMM from CuTe fragments,
-// shared by the forward and backward consumers.
+// and converting an fp32 accumulator fragment to the element type in its own
+// register order; shared by the forward and backward consumers.
 #ifndef MAXATTN_SM90_GEMM_H_
 #define MAXATTN_SM90_GEMM_H_
 
 #include <cute/tensor.hpp>
+#include <cutlass/array.h>
 
 namespace maxattn::sm90 {
 
@@ -23,6 +25,24 @@ __device__ __forceinline__ void IssueGemm(TiledMma& mma, TensorA& a, const Tenso
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
+}
+
+// dst(i) = src(i) in dst's element type, two at a time (one F2FP pack per
+// pair): an accumulator fragment holds a row's column pairs next to each other,
+// so the packed pairs are those the register operand of a WGMMA (P) or a
+// stmatrix (the forward's out tile) reads.
+template <class TensorSrc, class TensorDst, class Convert>
+__device__ __forceinline__ void ConvertFragment(const TensorSrc& src, TensorDst& dst, Convert& convert) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int i = 0; i < size(src); i += 2) {
+    cutlass::Array<float, 2> pair;
+    pair[0] = src(i);
+    pair[1] = src(i + 1);
+    cutlass::Array<typename TensorDst::value_type, 2> packed = convert(pair);
+    dst(i) = packed[0];
+    dst(i + 1) = packed[1];
+  }
 }
 
 }  // namespace maxattn::sm90

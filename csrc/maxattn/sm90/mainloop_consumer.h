@@ -18,20 +18,6 @@
 
 namespace maxattn::sm90 {
 
-template <class TensorS, class TensorP, class Convert>
-__device__ __forceinline__ void ConvertP(const TensorS& s, TensorP& p, Convert& convert) {
-  using namespace cute;
-  CUTE_UNROLL
-  for (int i = 0; i < size(s); i += 2) {
-    cutlass::Array<float, 2> pair;
-    pair[0] = s(i);
-    pair[1] = s(i + 1);
-    cutlass::Array<typename TensorP::value_type, 2> packed = convert(pair);
-    p(i) = packed[0];
-    p(i + 1) = packed[1];
-  }
-}
-
 template <class Config>
 struct ConsumerMainloop {
   using Element = typename Config::Element;
@@ -122,7 +108,7 @@ struct ConsumerMainloop {
           const int n0 = nb * kBlockN;
           mask_and_update(mask.template TileNeedsMask<kBlockM, kBlockN>(args, m0, n0), n0);
           softmax.Rescale(o_rc, correction);
-          ConvertP(tSrS, tOrP, convert);
+          ConvertFragment(tSrS, tOrP, convert);
           pipe_v.consumer_wait(state_v);
           IssueGemm<false, true>(mma_o, tOrP, tOrV(_, _, _, state_v.index()), tOrO);
           warpgroup_wait<0>();
@@ -159,7 +145,7 @@ struct ConsumerMainloop {
         pipe_k.consumer_release(state_k);
         ++state_k;
         mask_and_update(need_mask, nb * kBlockN);
-        ConvertP(tSrS, tOrP, convert);
+        ConvertFragment(tSrS, tOrP, convert);
         for (nb = n_hi - 2; nb >= n_lo; --nb) {
           pipe_k.consumer_wait(state_k);
           pipe_v.consumer_wait(state_v);
@@ -180,7 +166,7 @@ struct ConsumerMainloop {
           pipe_v.consumer_release(state_v);
           ++state_v;
           softmax.Rescale(o_rc, correction);
-          ConvertP(tSrS, tOrP, convert);
+          ConvertFragment(tSrS, tOrP, convert);
         }
         pipe_v.consumer_wait(state_v);
         if constexpr (kTurns) NamedBarrierSync(2 + wg, Config::kConsumerThreads);
@@ -201,7 +187,7 @@ struct ConsumerMainloop {
     }
     if (!max_logit_done) Epilogue<Config>::MaxLogit(args, tile, mask, softmax, oc_rc);
     softmax.Finalize();
-    Epilogue<Config>::Store(args, tma_o, smem.o.data(), tile, mask, softmax, o_rc, oc_rc, consumer_tid);
+    Epilogue<Config>::Store(args, tma_o, smem.o.data(), tile, mask, softmax, tOrO, oc_rc, consumer_tid);
   }
 };
 
