@@ -100,8 +100,11 @@ struct Epilogue {
     const bool has_sink = args.sink_logits != nullptr;
     const float sink = has_sink ? args.sink_logits[tile.head] : -INFINITY;
     cutlass::NumericArrayConverter<Element, float, 2> convert;
+    constexpr int kRows = decltype(size<0>(o_rc))::value;
+    float row_inv[kRows];
+    bool row_empty[kRows];
     CUTE_UNROLL
-    for (int r = 0; r < size<0>(o_rc); ++r) {
+    for (int r = 0; r < kRows; ++r) {
       const int i = m0 + get<0>(oc(r, 0));
       // Staged rows past T are written (as zeros: q_valid <= T) and clipped by the TMA store.
       if constexpr (!Config::kTmaStoreOut) {
@@ -127,10 +130,9 @@ struct Epilogue {
       if (args.lse != nullptr && (lane % 4) == 0 && i < args.q_len) {
         args.lse[(static_cast<int64_t>(tile.batch) * args.heads + tile.head) * args.q_len + i] = lse;
       }
-      if constexpr (Config::kTmaStoreOut) {
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) = empty ? 0.0f : o_rc(r, c) * inv;
-      } else {
+      row_inv[r] = inv;
+      row_empty[r] = empty;
+      if constexpr (!Config::kTmaStoreOut) {
         Element* row = out + ((static_cast<int64_t>(tile.batch) * args.q_len + i) * args.heads + tile.head) *
                                  static_cast<int64_t>(Config::kHeadDim);
         CUTE_UNROLL
@@ -143,6 +145,24 @@ struct Epilogue {
       }
     }
     if constexpr (Config::kTmaStoreOut) {
+      // An empty row's out is 0 even where its accumulator is not (a NaN value under a masked
+      // key), which costs a select per element; only warps that hold an empty row pay for it.
+      bool warp_empty = false;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) warp_empty = warp_empty || row_empty[r];
+      if (__any_sync(0xffffffffu, warp_empty)) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) = row_empty[r] ? 0.0f : o_rc(r, c) * row_inv[r];
+        }
+      } else {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= row_inv[r];
+        }
+      }
       Tensor rO = make_tensor<Element>(o.layout());
       ConvertFragment(o, rO, convert);
       Tensor sO = make_tensor(make_smem_ptr(smem_o + wg * Config::kSmemOHalfElems),
