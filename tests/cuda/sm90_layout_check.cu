@@ -15,7 +15,8 @@
 // a thread's 64 is (row, column) of the whole-H partition, and the first 8192
 // elements of K's tile are its first 128 columns.
 // Also: the persistent forward's tile sequence is a bijection onto the tiles,
-// longest first within each L2 section (tile_scheduler.h).
+// longest first within each L2 section (tile_scheduler.h), and its out tile is
+// staged by stmatrix at the accumulator's coordinates (epilogue.h).
 // Exit code 1 on any mismatch.
 #include <cstdio>
 #include <vector>
@@ -188,6 +189,66 @@ int CheckForwardOperands() {
   return check.mismatches;
 }
 
+// The persistent forward stages its out tile by stmatrix (epilogue.h): the copy is built on one
+// warpgroup's TiledMma (TiledMmaOWarpgroup) and fed the fragment of the two-warpgroup TiledMmaO.
+// Checked: (a) thread t of warpgroup w holds in TiledMmaO the elements that thread t holds in
+// TiledMmaOWarpgroup, 64 w rows further down; (b) emulating stmatrix.x4 (.b16, not transposed) on
+// CuTe's per-thread views -- lane 8 j + r gives the address of row r of matrix j, lane 4 r + q holds
+// its columns 2 q and 2 q + 1 in register j -- every element lands at its accumulator coordinate.
+template <class Config>
+int CheckForwardOutStaging() {
+  constexpr int kRows = Config::WarpgroupRows::value, kH = Config::kHeadDim;
+  typename Config::TiledMmaO mma_o;
+  typename Config::TiledMmaOWarpgroup mma_wg;
+  auto copy_o = make_tiled_copy_C(typename Config::CopyAtomOStaging{}, mma_wg);
+  auto coords = [&](int t) {
+    return mma_wg.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kH>>{}));
+  };
+  int rows = 0, moved = 0;
+  for (int t = 0; t < 128; ++t) {
+    for (int w = 0; w < Config::kConsumerWarpgroups; ++w) {
+      Tensor c = mma_o.get_thread_slice(w * 128 + t)
+                     .partition_C(make_identity_tensor(Shape<typename Config::BlockM, Int<kH>>{}));
+      Tensor c_wg = coords(t);
+      for (int k = 0; k < size(c_wg); ++k) {
+        rows += get<0>(c(k)) != get<0>(c_wg(k)) + w * kRows || get<1>(c(k)) != get<1>(c_wg(k));
+      }
+    }
+  }
+  auto src = [&](int t) { return copy_o.get_thread_slice(t).retile_S(coords(t)); };
+  auto dst = [&](int t) {
+    return copy_o.get_thread_slice(t).partition_D(make_identity_tensor(Shape<Int<kRows>, Int<kH>>{}));
+  };
+  // Mode 0 of both views is the atom's 8 values, repeated: one stmatrix per repetition.
+  constexpr int kValues = decltype(size<0>(dst(0)))::value;
+  static_assert(kValues % 8 == 0 && decltype(size<0>(src(0)))::value == kValues);
+  for (int warp = 0; warp < 4; ++warp) {
+    for (int call = 0; call < kValues / 8; ++call) {
+      for (int m = 0; m < size<1>(dst(0)); ++m) {
+        for (int n = 0; n < size<2>(dst(0)); ++n) {
+          for (int j = 0; j < 4; ++j) {
+            for (int r = 0; r < 8; ++r) {
+              Tensor row = dst(32 * warp + 8 * j + r);  // this lane's 16 bytes: 8 consecutive columns
+              const auto target = row(8 * call, m, n);
+              for (int e = 0; e < 8; ++e) {
+                const auto value = src(32 * warp + 4 * r + e / 2)(8 * call + 2 * j + e % 2, m, n);
+                const auto slot = row(8 * call + e, m, n);
+                moved += get<0>(value) != get<0>(target) || get<1>(value) != get<1>(target) + e ||
+                         get<0>(slot) != get<0>(target) || get<1>(slot) != get<1>(target) + e;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  if (rows) std::printf("  forward H=%d: %d out elements where the warpgroup's MMA has another row\n", kH, rows);
+  if (moved) std::printf("  forward H=%d: %d out elements staged at another coordinate\n", kH, moved);
+  std::printf("forward H=%d: out tile staged by stmatrix at the accumulator's coordinates: %s\n", kH,
+              rows + moved == 0 ? "ok" : "FAILED");
+  return rows + moved;
+}
+
 // The persistent forward's tile sequence (tile_scheduler.h) visits every (query block, head,
 // batch) exactly once, and a causal section hands out its query blocks longest first.
 int CheckForwardTileOrder() {
@@ -258,6 +319,8 @@ int main() {
   failures += CheckForwardOperands<FwdConfig<128, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(128, false), false>>();
   failures += CheckForwardOperands<FwdConfig<256, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(256, false), false>>();
   failures += CheckForwardOperands<FwdConfig<256, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(256, true), true>>();
+  failures += CheckForwardOutStaging<FwdConfig<64, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(64, false), false>>();
+  failures += CheckForwardOutStaging<FwdConfig<128, cutlass::half_t, maxattn::sm90::ForwardVariant(128, true), true>>();
   failures += CheckForwardTileOrder();
   return failures == 0 ? 0 : 1;
 }

@@ -172,7 +172,7 @@ struct Epilogue {
       // memory across it.
       int tid = 0;
       asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-      auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
+      auto copy_o = make_tiled_copy_C(typename Config::CopyAtomOStaging{},
                                       typename Config::TiledMmaOWarpgroup{});
       auto thr_copy_o = copy_o.get_thread_slice(tid % 128);
       if (consumer_tid % 128 == 0) tma_store_wait<0>();  // the previous tile's store has read the half
