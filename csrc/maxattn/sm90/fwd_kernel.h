@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
   pipe_params.num_consumers = Config::kConsumerThreads;
   Pipeline pipe_k(smem.pipe_k, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
   Pipeline pipe_v(smem.pipe_v, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
-  // Persistent grids: tile indices from the producer thread to the consumers.
+  // Persistent grids: tiles (TileSlot) from the producer thread to the consumers.
   typename Config::TilePipeline::Params tile_params;
   tile_params.role = warpgroup == 0 ? Config::TilePipeline::ThreadCategory::Producer
                                     : Config::TilePipeline::ThreadCategory::Consumer;
@@ -63,6 +63,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
     if constexpr (Config::kPersistentGrid) return PersistentLongestFirstScheduler::Get(p.args, index);
     else return StaticLongestFirstScheduler::Get(p.args);
   };
+  auto key_range = [&](const Tile& tile, int* n_lo, int* n_hi) {
+    BlockMask::Make(p.args, tile.batch, tile.m_block)
+        .template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, n_lo, n_hi);
+  };
   // Tiles with an empty key range load nothing and skip the Q barriers, on
   // both sides alike, so only loaded tiles count towards the phases.
   int q_loads = 0;
@@ -72,9 +76,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
       typename Config::PipelineState state = cutlass::make_producer_start_state<Pipeline>();
       auto produce = [&](int index) {
         const Tile tile = tile_at(index);
-        const BlockMask mask = BlockMask::Make(p.args, tile.batch, tile.m_block);
         int n_lo = 0, n_hi = 0;
-        mask.template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, &n_lo, &n_hi);
+        key_range(tile, &n_lo, &n_hi);
         if (n_lo >= n_hi) return;
         ProducerMainloop<Config>::Run(p, smem, pipe_k, pipe_v, tile, n_lo, n_hi, state, q_loads);
         ++q_loads;
@@ -82,12 +85,20 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
       if constexpr (Config::kPersistentGrid) {
         auto tile_state = cutlass::make_producer_start_state<typename Config::TilePipeline>();
         for (int index = static_cast<int>(blockIdx.x);;) {
+          TileSlot slot{index, 0, 0, 0, Tile{}};
+          if (index < p.args.num_tiles) {
+            slot.tile = tile_at(index);
+            key_range(slot.tile, &slot.n_lo, &slot.n_hi);
+          }
           pipe_tile.producer_acquire(tile_state);
-          smem.tile_index[tile_state.index()] = index;
+          smem.tile_slot[tile_state.index()] = slot;
           pipe_tile.producer_commit(tile_state);
           ++tile_state;
           if (index >= p.args.num_tiles) break;  // the consumers stop on it too
-          produce(index);
+          if (slot.n_lo < slot.n_hi) {
+            ProducerMainloop<Config>::Run(p, smem, pipe_k, pipe_v, slot.tile, slot.n_lo, slot.n_hi, state, q_loads);
+            ++q_loads;
+          }
           index = PersistentLongestFirstScheduler::Next(p.args);
         }
       } else {
@@ -97,11 +108,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
   } else {
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
     typename Config::PipelineState state_k, state_v;
-    auto consume = [&](int index) {
-      const Tile tile = tile_at(index);
+    auto consume = [&](const Tile& tile, int n_lo, int n_hi) {
       const BlockMask mask = BlockMask::Make(p.args, tile.batch, tile.m_block);
-      int n_lo = 0, n_hi = 0;
-      mask.template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, &n_lo, &n_hi);
       ConsumerMainloop<Config>::template Run<Config::kTileLoop, Config::kSoftcap>(
           p.args, p.tma_o, smem, pipe_k, pipe_v, tile, mask, n_lo, n_hi, static_cast<int>(threadIdx.x) - 128,
           state_k, state_v, q_loads & 1);
@@ -111,18 +119,21 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
       typename Config::TilePipeline::PipelineState tile_state;
       for (;;) {
         pipe_tile.consumer_wait(tile_state);
-        const int index = smem.tile_index[tile_state.index()];
+        const TileSlot slot = smem.tile_slot[tile_state.index()];
         pipe_tile.consumer_release(tile_state);
         ++tile_state;
-        if (index >= p.args.num_tiles) break;
-        consume(index);
+        if (slot.index >= p.args.num_tiles) break;
+        consume(slot.tile, slot.n_lo, slot.n_hi);
       }
       // The last out stores have read shared memory before the CTA exits.
       if constexpr (Config::kTmaStoreOut) {
         if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
       }
     } else {
-      consume(0);
+      const Tile tile = tile_at(0);
+      int n_lo = 0, n_hi = 0;
+      key_range(tile, &n_lo, &n_hi);
+      consume(tile, n_lo, n_hi);
     }
   }
 #endif

@@ -120,6 +120,28 @@ using GmemOutTensorOf = decltype(cute::make_tensor(cute::make_gmem_ptr(static_ca
 // consumer warpgroup w kFwdBarrierOut + w.
 constexpr int kFwdBarrierOut = 4;
 
+// One tile of the forward: a query block of one (head, batch) row, as the
+// schedulers of tile_scheduler.h hand them out.
+struct Tile {
+  int m_block;
+  int head;
+  int kv_head;
+  int batch;
+};
+
+// A persistent CTA's next tile as its producer thread hands it to the consumers
+// (fwd_kernel.h): the sequence index (>= num_tiles: none left), and for a tile
+// the tile itself and its key-block range [n_lo, n_hi), decoded once by the
+// producer rather than again by every consumer thread (a tile's decode is four
+// integer divisions by run-time values, on the consumers' path into the tile).
+struct TileSlot {
+  int index;
+  int n_lo;
+  int n_hi;
+  int unused;
+  Tile tile;
+};
+
 // kSoftcap_: the logit soft cap's softmax (softmax.h). Its own instance, so
 // that the plain kernel keeps its registers (one kernel with both loops
 // spilled at H=128).
@@ -208,7 +230,7 @@ struct FwdConfig {
     alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_q;
     alignas(8) cutlass::arch::ClusterBarrier barrier_q_empty;
     alignas(16) typename TilePipeline::SharedStorage pipe_tile;
-    int tile_index[2];
+    alignas(16) TileSlot tile_slot[2];
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");

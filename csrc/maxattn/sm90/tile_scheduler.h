@@ -18,13 +18,6 @@
 
 namespace maxattn::sm90 {
 
-struct Tile {
-  int m_block;
-  int head;
-  int kv_head;
-  int batch;
-};
-
 struct StaticLongestFirstScheduler {
   static dim3 Grid(const FwdArgs& args) {
     return dim3(static_cast<unsigned>(args.num_m_blocks), static_cast<unsigned>(args.heads),
