@@ -16,14 +16,16 @@ baseline, dropout 0.1, learnable attention sinks (with and without max_logit), p
 (4 equal segments per row) and a logit soft cap of 50 (with and without max_logit), with the cost
 ratio to the baseline; a feature the backend refuses shows the reason instead of a time.
 
-Timing: one sample = `--calls` jitted calls back to back and one block_until_ready at the end
+Timing: one sample = `--settle-s` of untimed calls of the variant (the GPU's clock settles to
+its load: on the power-capped H200 a variant timed right after a lighter one otherwise runs at
+boost clock), then `--calls` jitted calls back to back and one block_until_ready at the end
 (time / calls). Every repetition runs every variant once; variants are interleaved (the group
 order rotates each repetition and the pairs being compared sit next to each other, alternating
 which goes first), so drifts hit all of them alike. `--warmup` repetitions are run and dropped.
 Reported: median over `--reps`; the max_logit overhead also as min-based and paired (median of
 the per-repetition ratios); the spread (max-min)/median.
 
-Usage: python bench/gpu.py [--calls 50] [--reps 7] [--rows 0,2|all|none] [--skip-features]
+Usage: python bench/gpu.py [--calls 50] [--reps 7] [--settle-s 0.2] [--rows 0,2|all|none] [--skip-features]
                            [--json out.json] [--budget-s 320]
        python bench/gpu.py --smoke        # tiny shapes, implementation="cpu", peer "xla" (no GPU)
 """
@@ -80,7 +82,16 @@ def _reason(e: BaseException) -> str:
 # timing
 
 
-def _sample(fn, args, calls):
+def _sample(fn, args, calls, settle_s=0.0):
+    # Settle: run the variant untimed first, so that the GPU's clock has adapted to it. On the H200
+    # both our kernels and FA3's run at the 700 W power cap, where the SM clock follows the load
+    # within ~0.1 s: without this, a variant timed right after a lighter one runs its first calls at
+    # boost clock (12% faster in a 2026-12-06 probe), and since the interleaving keeps the cyclic
+    # order of the groups, the same variant would get that head start in every repetition.
+    t_settle = time.perf_counter() + settle_s
+    while time.perf_counter() < t_settle:
+        out = fn(*args)
+        jax.block_until_ready(out)
     start = time.perf_counter()
     for _ in range(calls):
         out = fn(*args)
@@ -88,7 +99,7 @@ def _sample(fn, args, calls):
     return (time.perf_counter() - start) / calls
 
 
-def _run(variants, groups, calls, reps, warmup):
+def _run(variants, groups, calls, reps, warmup, settle_s=0.0):
     """variants: name -> (jitted fn, args). Compiles (first call) each, then times the interleaved
     repetitions. Returns (samples name -> [s], compile_s name -> s, errors name -> reason)."""
     compile_s, errors = {}, {}
@@ -108,7 +119,7 @@ def _run(variants, groups, calls, reps, warmup):
         for g in groups[k:] + groups[:k]:
             for name in (g if r % 2 == 0 else g[::-1]):
                 fn, args = variants[name]
-                t = _sample(fn, args, calls)
+                t = _sample(fn, args, calls, settle_s)
                 if r >= warmup:
                     samples[name].append(t)
     return samples, compile_s, errors
@@ -211,7 +222,7 @@ def bench_row(B, T, N, K, H, causal, opts):
     if fa3 is not None:
         fa = lambda q, k, v: fa3(q, k, v, softmax_scale=float(scale), is_causal=causal)
         variants.update({"fa3 fwd": (jax.jit(fa), qkv), "fa3 fwd+bwd": (jax.jit(_loss_grad(fa)), qkvc)})
-    samples, compile_s, errors = _run(variants, ROW_GROUPS, opts.calls, opts.reps, opts.warmup)
+    samples, compile_s, errors = _run(variants, ROW_GROUPS, opts.calls, opts.reps, opts.warmup, opts.settle_s)
     stats = _stats(samples)
     med = {n: s["median_ms"] / 1e3 for n, s in stats.items()}
     flops = 4.0 * B * N * T * T * H * (0.5 if causal else 1.0)
@@ -325,7 +336,7 @@ def bench_features(B, T, N, K, H, opts):
         variants[name + " fwd"] = (jax.jit(attn), (q, k, v) + extra)
         variants[name + " fwd+bwd"] = (jax.jit(jax.grad(loss, argnums=argnums, has_aux=True)), (q, k, v, ct) + extra)
         groups.append([name + " fwd", name + " fwd+bwd"])
-    samples, compile_s, errors = _run(variants, groups, opts.calls, opts.reps, opts.warmup)
+    samples, compile_s, errors = _run(variants, groups, opts.calls, opts.reps, opts.warmup, opts.settle_s)
     stats = _stats(samples)
     entries = []
     for name, *_ in specs:
@@ -414,6 +425,8 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=None, help="jitted calls per timed sample (50; smoke 3)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (7; smoke 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions before the timed ones")
+    p.add_argument("--settle-s", type=float, default=None,
+                   help="untimed running of a variant before each of its samples, seconds (0.2; smoke 0)")
     p.add_argument("--rows", default="all", help="comma-separated row indices into ROWS, 'all' or 'none'")
     p.add_argument("--skip-features", action="store_true")
     p.add_argument("--impl", default=None, help='maxattn implementation ("cudnn"; smoke "cpu")')
@@ -429,6 +442,7 @@ def main(argv=None):
     opts = p.parse_args(argv)
     opts.calls = opts.calls or (3 if opts.smoke else 50)
     opts.reps = opts.reps or (3 if opts.smoke else 7)
+    opts.settle_s = opts.settle_s if opts.settle_s is not None else (0.0 if opts.smoke else 0.2)
     opts.impl = opts.impl or ("cpu" if opts.smoke else "cudnn")
     opts.peer = opts.peer or ("xla" if opts.smoke else "cudnn")
     opts.peer = None if opts.peer == "none" else opts.peer
@@ -436,7 +450,7 @@ def main(argv=None):
     feature_shape = SMOKE_FEATURE_SHAPE if opts.smoke else FEATURE_SHAPE
 
     info = _versions(opts)
-    report = dict(info=info, argv=sys.argv[1:], calls=opts.calls, reps=opts.reps, warmup=opts.warmup,
+    report = dict(info=info, argv=sys.argv[1:], calls=opts.calls, reps=opts.reps, warmup=opts.warmup, settle_s=opts.settle_s,
                   target_overhead_pct=TARGET_OVERHEAD_PCT, results=[], features=None, skipped=[], failures=[])
 
     def dump():
@@ -446,7 +460,8 @@ def main(argv=None):
                 json.dump(report, f, indent=1)
 
     print(f"# maxattn GPU benchmark: {json.dumps(info)}", flush=True)
-    print(f"# bf16; sample = {opts.calls} calls + 1 sync; {opts.reps} interleaved reps (+{opts.warmup} warm-up); "
+    print(f"# bf16; sample = {opts.settle_s:g} s untimed, then {opts.calls} calls + 1 sync; {opts.reps} interleaved reps "
+          f"(+{opts.warmup} warm-up); "
           "median unless noted", flush=True)
 
     for i in _parse_rows(opts.rows, rows):
