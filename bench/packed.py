@@ -1,7 +1,7 @@
 """Packed rows on the GPU: segment ids as ragged sequences vs the same work unpacked, and FA3 varlen.
 
 For each (B, T, N, K, H, D) row -- B rows of T tokens, each D equal causal documents -- times, in one
-interleaved run (bench/gpu.py's timing: jitted calls, median of the repetitions):
+interleaved run (bench/gpu.py's timing: jitted calls after a settle, median of the repetitions):
   * ``ragged``: maxattn with segment ids and ``max_segments_per_row=D`` (cuDNN ragged sequences);
   * ``dense``: maxattn with the same segment ids and no bound -- only up to T = 8192. On ``cudnn``
     that is a dense [B, 1, T, T] bias; with ``--impl sm90`` it is the kernel's own segment-id path
@@ -111,17 +111,20 @@ def main(argv=None):
     p.add_argument("--impl", default="cudnn")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--settle-s", type=float, default=0.2,
+                   help="untimed running of a variant before each of its samples, seconds (bench/gpu.py's)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rows = ROWS if a.rows == "all" else [ROWS[int(i)] for i in a.rows.split(",")]
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, impl {a.impl}, "
-          f"fa3 varlen {'yes' if _fa3_varlen() else 'no'}; median ms of {a.reps} x {a.calls} calls")
+          f"fa3 varlen {'yes' if _fa3_varlen() else 'no'}; median ms of {a.reps} x {a.calls} calls, "
+          f"each sample after {a.settle_s:g} s of untimed calls")
     results = []
     for B, T, N, K, H, D in rows:
         variants = _variants(B, T, N, K, H, D, a.impl)
         calls = max(2, a.calls // max(1, T // 8192))
         groups = [[n for n in variants if n.endswith(" fwd")], [n for n in variants if n.endswith("fwd+bwd")]]
-        samples, _, errors = _run(variants, groups, calls, a.reps, 1)
+        samples, _, errors = _run(variants, groups, calls, a.reps, 1, a.settle_s)
         med = {n: statistics.median(s) * 1e3 for n, s in samples.items()}
         peak = _peak_bytes(*variants["ragged fwd+bwd"]) if "ragged fwd+bwd" in samples else None
         r = dict(shape=[B, T, N, K, H], docs=D, median_ms=med, errors=errors, ragged_fwdbwd_peak_bytes=peak)
