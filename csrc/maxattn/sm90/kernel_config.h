@@ -178,18 +178,16 @@ struct FwdConfig {
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kBlockM / kConsumerWarpgroups>, BlockN, HeadDim>>(),
       WarpgroupLayout{}));
-  using TiledMmaO = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<kBlockM / kConsumerWarpgroups>, HeadDim, BlockN>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-      WarpgroupLayout{}));
+  // P V's WGMMA atom: P from registers, V read MN-major from shared memory.
+  using MmaOAtom = decltype(cute::GMMA::rs_op_selector<
+                            Element, Element, float,
+                            cute::Shape<cute::Int<kBlockM / kConsumerWarpgroups>, HeadDim, BlockN>,
+                            cute::GMMA::Major::K, cute::GMMA::Major::MN>());
+  using TiledMmaO = decltype(cute::make_tiled_mma(MmaOAtom{}, WarpgroupLayout{}));
 
   // One warpgroup's share of P V: the thread layout of the out tile's stmatrix staging (epilogue.h;
   // sm90_layout_check emulates the instruction on these views).
-  using TiledMmaOWarpgroup = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<kBlockM / kConsumerWarpgroups>, HeadDim, BlockN>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+  using TiledMmaOWarpgroup = decltype(cute::make_tiled_mma(MmaOAtom{}));
   using CopyAtomOStaging = cute::Copy_Atom<cute::SM90_U32x4_STSM_N, Element>;
 
   // Shared memory: 128-byte swizzled K-major tiles (head dim contiguous), as TMA
