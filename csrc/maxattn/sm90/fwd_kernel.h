@@ -63,9 +63,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
     if constexpr (Config::kPersistentGrid) return PersistentLongestFirstScheduler::Get(p.args, index);
     else return StaticLongestFirstScheduler::Get(p.args);
   };
-  auto key_range = [&](const Tile& tile, int* n_lo, int* n_hi) {
-    BlockMask::Make(p.args, tile.batch, tile.m_block)
-        .template KeyBlockRange<Config::kBlockM, Config::kBlockN>(tile.m_block * Config::kBlockM, n_lo, n_hi);
+  // The tile at a sequence index and its key-block range (none past the last tile).
+  auto slot_at = [&](int index) {
+    TileSlot slot{index, 0, 0, 0, Tile{}};
+    if (index < p.args.num_tiles) {
+      slot.tile = tile_at(index);
+      BlockMask::Make(p.args, slot.tile.batch, slot.tile.m_block)
+          .template KeyBlockRange<Config::kBlockM, Config::kBlockN>(slot.tile.m_block * Config::kBlockM, &slot.n_lo,
+                                                                    &slot.n_hi);
+    }
+    return slot;
   };
   // Tiles with an empty key range load nothing and skip the Q barriers, on
   // both sides alike, so only loaded tiles count towards the phases.
@@ -74,10 +81,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
     if (threadIdx.x == 0) {
       typename Config::PipelineState state = cutlass::make_producer_start_state<Pipeline>();
-      auto produce = [&](int index) {
-        const Tile tile = tile_at(index);
-        int n_lo = 0, n_hi = 0;
-        key_range(tile, &n_lo, &n_hi);
+      auto produce = [&](const Tile& tile, int n_lo, int n_hi) {
         if (n_lo >= n_hi) return;
         ProducerMainloop<Config>::Run(p, smem, pipe_k, pipe_v, tile, n_lo, n_hi, state, q_loads);
         ++q_loads;
@@ -85,24 +89,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
       if constexpr (Config::kPersistentGrid) {
         auto tile_state = cutlass::make_producer_start_state<typename Config::TilePipeline>();
         for (int index = static_cast<int>(blockIdx.x);;) {
-          TileSlot slot{index, 0, 0, 0, Tile{}};
-          if (index < p.args.num_tiles) {
-            slot.tile = tile_at(index);
-            key_range(slot.tile, &slot.n_lo, &slot.n_hi);
-          }
+          const TileSlot slot = slot_at(index);
           pipe_tile.producer_acquire(tile_state);
           smem.tile_slot[tile_state.index()] = slot;
           pipe_tile.producer_commit(tile_state);
           ++tile_state;
           if (index >= p.args.num_tiles) break;  // the consumers stop on it too
-          if (slot.n_lo < slot.n_hi) {
-            ProducerMainloop<Config>::Run(p, smem, pipe_k, pipe_v, slot.tile, slot.n_lo, slot.n_hi, state, q_loads);
-            ++q_loads;
-          }
+          produce(slot.tile, slot.n_lo, slot.n_hi);
           index = PersistentLongestFirstScheduler::Next(p.args);
         }
       } else {
-        produce(0);
+        const TileSlot slot = slot_at(0);
+        produce(slot.tile, slot.n_lo, slot.n_hi);
       }
     }
   } else {
@@ -130,10 +128,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
         if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
       }
     } else {
-      const Tile tile = tile_at(0);
-      int n_lo = 0, n_hi = 0;
-      key_range(tile, &n_lo, &n_hi);
-      consume(tile, n_lo, n_hi);
+      const TileSlot slot = slot_at(0);
+      consume(slot.tile, slot.n_lo, slot.n_hi);
     }
   }
 #endif
