@@ -450,8 +450,9 @@ def main(argv=None):
     feature_shape = SMOKE_FEATURE_SHAPE if opts.smoke else FEATURE_SHAPE
 
     info = _versions(opts)
-    report = dict(info=info, argv=sys.argv[1:], calls=opts.calls, reps=opts.reps, warmup=opts.warmup, settle_s=opts.settle_s,
-                  target_overhead_pct=TARGET_OVERHEAD_PCT, results=[], features=None, skipped=[], failures=[])
+    report = dict(info=info, argv=sys.argv[1:], calls=opts.calls, reps=opts.reps, warmup=opts.warmup,
+                  settle_s=opts.settle_s, target_overhead_pct=TARGET_OVERHEAD_PCT, results=[], features=None,
+                  skipped=[], failures=[])
 
     def dump():
         report["total_s"] = _elapsed()
@@ -460,9 +461,8 @@ def main(argv=None):
                 json.dump(report, f, indent=1)
 
     print(f"# maxattn GPU benchmark: {json.dumps(info)}", flush=True)
-    print(f"# bf16; sample = {opts.settle_s:g} s untimed, then {opts.calls} calls + 1 sync; {opts.reps} interleaved reps "
-          f"(+{opts.warmup} warm-up); "
-          "median unless noted", flush=True)
+    print(f"# bf16; sample = {opts.settle_s:g} s untimed, then {opts.calls} calls + 1 sync; "
+          f"{opts.reps} interleaved reps (+{opts.warmup} warm-up); median unless noted", flush=True)
 
     for i in _parse_rows(opts.rows, rows):
         if _elapsed() > opts.budget_s:
