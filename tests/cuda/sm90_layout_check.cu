@@ -15,8 +15,9 @@
 // a thread's 64 is (row, column) of the whole-H partition, and the first 8192
 // elements of K's tile are its first 128 columns.
 // Also: the persistent forward's tile sequence is a bijection onto the tiles,
-// longest first within each L2 section (tile_scheduler.h), and its out tile is
-// staged by stmatrix at the accumulator's coordinates (epilogue.h).
+// longest first within each L2 section (tile_scheduler.h), and its out tile
+// (epilogue.h) and the backward's dK and dV (bwd_epilogue.h) are staged by
+// stmatrix at the accumulator's coordinates.
 // Exit code 1 on any mismatch.
 #include <cstdio>
 #include <vector>
@@ -189,35 +190,36 @@ int CheckForwardOperands() {
   return check.mismatches;
 }
 
-// The persistent forward stages its out tile by stmatrix (epilogue.h): the copy is built on one
-// warpgroup's TiledMma (TiledMmaOWarpgroup) and fed the fragment of the two-warpgroup TiledMmaO.
-// Checked: (a) thread t of warpgroup w holds in TiledMmaO the elements that thread t holds in
-// TiledMmaOWarpgroup, 64 w rows further down; (b) emulating stmatrix.x4 (.b16, not transposed) on
-// CuTe's per-thread views -- lane 8 j + r gives the address of row r of matrix j, lane 4 r + q holds
-// its columns 2 q and 2 q + 1 in register j -- every element lands at its accumulator coordinate.
-template <class Config>
-int CheckForwardOutStaging() {
-  constexpr int kRows = Config::WarpgroupRows::value, kH = Config::kHeadDim;
-  typename Config::TiledMmaO mma_o;
-  typename Config::TiledMmaOWarpgroup mma_wg;
-  auto copy_o = make_tiled_copy_C(typename Config::CopyAtomOStaging{}, mma_wg);
+// Accumulators staged by stmatrix (the persistent forward's out tile, epilogue.h; the backward's dK
+// and dV, bwd_epilogue.h): the copy is built on one warpgroup's TiledMma and fed the fragment of
+// the two-warpgroup TiledMma. Checked: (a) thread t of warpgroup w holds in the whole TiledMma the
+// elements that thread t holds in the warpgroup's, kRows w rows further down; (b) emulating
+// stmatrix.x4 (.b16, not transposed) on CuTe's per-thread views -- lane 8 j + r gives the address of
+// row r of matrix j, lane 4 r + q holds its columns 2 q and 2 q + 1 in register j -- every element
+// lands at its accumulator coordinate.
+template <class TiledMma, class TiledMmaWarpgroup, class CopyAtom, int kRows, int kH>
+int CheckStmatrixStaging(const char* what) {
+  constexpr int kWarpgroups = 2;
+  TiledMma mma;
+  TiledMmaWarpgroup mma_wg;
+  auto copy_c = make_tiled_copy_C(CopyAtom{}, mma_wg);
   auto coords = [&](int t) {
     return mma_wg.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kH>>{}));
   };
   int rows = 0, moved = 0;
   for (int t = 0; t < 128; ++t) {
-    for (int w = 0; w < Config::kConsumerWarpgroups; ++w) {
-      Tensor c = mma_o.get_thread_slice(w * 128 + t)
-                     .partition_C(make_identity_tensor(Shape<typename Config::BlockM, Int<kH>>{}));
+    for (int w = 0; w < kWarpgroups; ++w) {
+      Tensor c = mma.get_thread_slice(w * 128 + t)
+                     .partition_C(make_identity_tensor(Shape<Int<kWarpgroups * kRows>, Int<kH>>{}));
       Tensor c_wg = coords(t);
       for (int k = 0; k < size(c_wg); ++k) {
         rows += get<0>(c(k)) != get<0>(c_wg(k)) + w * kRows || get<1>(c(k)) != get<1>(c_wg(k));
       }
     }
   }
-  auto src = [&](int t) { return copy_o.get_thread_slice(t).retile_S(coords(t)); };
+  auto src = [&](int t) { return copy_c.get_thread_slice(t).retile_S(coords(t)); };
   auto dst = [&](int t) {
-    return copy_o.get_thread_slice(t).partition_D(make_identity_tensor(Shape<Int<kRows>, Int<kH>>{}));
+    return copy_c.get_thread_slice(t).partition_D(make_identity_tensor(Shape<Int<kRows>, Int<kH>>{}));
   };
   // Mode 0 of both views is the atom's 8 values, repeated: one stmatrix per repetition.
   constexpr int kValues = decltype(size<0>(dst(0)))::value;
@@ -242,11 +244,27 @@ int CheckForwardOutStaging() {
       }
     }
   }
-  if (rows) std::printf("  forward H=%d: %d out elements where the warpgroup's MMA has another row\n", kH, rows);
-  if (moved) std::printf("  forward H=%d: %d out elements staged at another coordinate\n", kH, moved);
-  std::printf("forward H=%d: out tile staged by stmatrix at the accumulator's coordinates: %s\n", kH,
-              rows + moved == 0 ? "ok" : "FAILED");
+  if (rows) std::printf("  %s: %d elements where the warpgroup's MMA has another row\n", what, rows);
+  if (moved) std::printf("  %s: %d elements staged at another coordinate\n", what, moved);
+  std::printf("%s: staged by stmatrix at the accumulator's coordinates: %s\n", what, rows + moved == 0 ? "ok" : "FAILED");
   return rows + moved;
+}
+
+template <class Config>
+int CheckForwardOutStaging() {
+  char what[32];
+  std::snprintf(what, sizeof(what), "forward H=%d out tile", Config::kHeadDim);
+  return CheckStmatrixStaging<typename Config::TiledMmaO, typename Config::TiledMmaOWarpgroup,
+                              typename Config::CopyAtomOStaging, Config::WarpgroupRows::value, Config::kHeadDim>(what);
+}
+
+template <class Config>
+int CheckBackwardDkDvStaging() {
+  static_assert(Config::kConsumerWarpgroups == 2);
+  char what[32];
+  std::snprintf(what, sizeof(what), "backward H=%d dK/dV", Config::kHeadDim);
+  return CheckStmatrixStaging<typename Config::TiledMmadKV, typename Config::TiledMmadKVWarpgroup,
+                              typename Config::CopyAtomdKVStaging, Config::kBlockN / 2, Config::kHeadDim>(what);
 }
 
 // The persistent forward's tile sequence (tile_scheduler.h) visits every (query block, head,
@@ -321,6 +339,8 @@ int main() {
   failures += CheckForwardOperands<FwdConfig<256, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(256, true), true>>();
   failures += CheckForwardOutStaging<FwdConfig<64, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(64, false), false>>();
   failures += CheckForwardOutStaging<FwdConfig<128, cutlass::half_t, maxattn::sm90::ForwardVariant(128, true), true>>();
+  failures += CheckBackwardDkDvStaging<BwdConfig<128, cutlass::bfloat16_t>>();
+  failures += CheckBackwardDkDvStaging<BwdConfig<64, cutlass::half_t, true>>();
   failures += CheckForwardTileOrder();
   return failures == 0 ? 0 : 1;
 }

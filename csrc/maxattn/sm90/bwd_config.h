@@ -90,10 +90,13 @@ struct BwdConfig {
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   // dV and dK: M = keys (64 per warpgroup), N = head dim, K = queries; A (P^T
   // or dS^T) from registers, B (dO^T or Q^T) read MN-major from shared memory.
-  using TiledMmadKV = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<HalfN, HeadDim, BlockM>, cute::GMMA::Major::K,
-                                 cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  using MmadKVAtom = decltype(cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<HalfN, HeadDim, BlockM>,
+                                                         cute::GMMA::Major::K, cute::GMMA::Major::MN>());
+  using TiledMmadKV = decltype(cute::make_tiled_mma(MmadKVAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  // One warpgroup's share of dK and dV: the thread layout of their stmatrix staging (bwd_epilogue.h;
+  // sm90_layout_check emulates the instruction on these views).
+  using TiledMmadKVWarpgroup = decltype(cute::make_tiled_mma(MmadKVAtom{}));
+  using CopyAtomdKVStaging = cute::Copy_Atom<cute::SM90_U32x4_STSM_N, Element>;
   // dQ: M = queries, N = head dim, K = keys; A = dS (K-major), B = K^T (MN-major).
   using DqAtomShape = std::conditional_t<kDqSplitKeys, cute::Shape<BlockM, HeadDim, HalfN>,
                                          cute::Shape<BlockM, cute::Int<kHeadDim / 2>, BlockN>>;
@@ -127,6 +130,14 @@ struct BwdConfig {
   using SmemLayoutKHalf = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<HalfN, HeadDim>{}));
   using SmemLayoutKtHalf = decltype(cute::composition(
       SmemLayoutKHalf{}, cute::make_ordered_layout(cute::Shape<HeadDim, HalfN>{}, cute::Step<cute::_2, cute::_1>{})));
+
+  // dK and dV leave by TMA (bwd_epilogue.h, StoreDkDv): each consumer warpgroup stages its
+  // kBlockN / 2 keys of each, swizzled as the operand tiles, in its half of a released Q (dV) and
+  // dO (dK) region.
+  static constexpr bool kTmaStoreDkDv = true;
+  using SmemLayoutdKVHalf = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<HalfN, HeadDim>{}));
+  static constexpr int kSmemdKVHalfElems = cute::cosize_v<SmemLayoutdKVHalf>;
+  static_assert(kConsumerWarpgroups * kSmemdKVHalfElems <= cute::cosize_v<SmemLayoutQ>, "staging fits a Q region");
 
   // One consumer warpgroup's dQ fragment: 64 x 64 fp32 (at H = 128 its column
   // half, at H = 64 its partial sum over its keys), staged for the bulk reduction.
@@ -164,6 +175,8 @@ struct BwdConfig {
                                             cute::Shape<BlockM, HeadDim>{}, cute::_1{}));
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{},
                                              cute::Shape<BlockN, HeadDim>{}, cute::_1{}));
+  using TmadKV = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemOutTensorOf<Element>{}, SmemLayoutdKVHalf{},
+                                              cute::Shape<HalfN, HeadDim>{}, cute::_1{}));
 };
 
 // Named barriers of the backward (0 is __syncthreads): kBwdBarrierDs (256
@@ -204,6 +217,8 @@ struct BwdParams {
   typename Config::TmaQ tma_do;
   typename Config::TmaKV tma_k;
   typename Config::TmaKV tma_v;
+  typename Config::TmadKV tma_dk;  // set when Config::kTmaStoreDkDv
+  typename Config::TmadKV tma_dv;
   BwdArgs args;
 };
 

@@ -61,6 +61,9 @@ struct BwdWideConfig {
   static constexpr bool kDqSplitKeys = false;  // the warpgroups split dQ's columns
   static constexpr int kDqSlices = kConsumerWarpgroups;
   static constexpr bool kDqFromRegisters = true;
+  // dK and dV are stored by all consumer threads (bwd_epilogue.h, StoreDkDvByThreads): no TMA descriptor.
+  static constexpr bool kTmaStoreDkDv = false;
+  struct TmadKV {};
   static constexpr int kDqSliceFloats = kBlockM * kHeadDim / kDqSlices;  // 64 x 128 fp32 per warpgroup
   static constexpr int kTurnCounters = BwdTurnCounters(kHeadDim);  // per (warpgroup, column half)
   static_assert(kTurnCounters == kConsumerWarpgroups * 2);

@@ -16,9 +16,12 @@
 // At H = 256 (ReduceDq, bwd_config_wide.h) there is no room to stage: each
 // thread adds its 64 x 128 half's fragment straight from its registers, one
 // 16-byte vector reduction per four elements, into the same fragment order.
-// StoreDkDv, once per CTA: dV and scale * dK of the CTA's keys (rows j < S),
-// converted from the fp32 accumulators in registers and staged in shared
-// memory, then stored in 16-byte pieces of whole rows.
+// StoreDkDv, once per CTA (head dims 64 and 128): dV and scale * dK of each
+// consumer warpgroup's keys, converted in registers, staged by stmatrix in the
+// 128-byte swizzle of the operand tiles and stored by TMA (rows past S clipped
+// there). StoreDkDvByThreads (head dim 256, whose warpgroups split the columns):
+// staged by 4-byte stores and stored in 16-byte pieces of whole rows by every
+// consumer thread.
 #ifndef MAXATTN_SM90_BWD_EPILOGUE_H_
 #define MAXATTN_SM90_BWD_EPILOGUE_H_
 
@@ -27,6 +30,7 @@
 
 #include "maxattn/sm90/barrier.h"
 #include "maxattn/sm90/bwd_config.h"
+#include "maxattn/sm90/gemm.h"
 #include "maxattn/sm90/tile_scheduler.h"
 
 namespace maxattn::sm90 {
@@ -103,6 +107,54 @@ struct BwdEpilogue {
     return row * Config::kHeadDim + (((col / 8) ^ (row % 8)) * 8) + col % 8;
   }
 
+  // dk, dv: the warpgroup's (key, head dim) accumulators, fragments of TiledMmadKV (dk is scaled in
+  // place). stage_k, stage_v: Q / dO regions free for the consumers (the caller synchronised both
+  // warpgroups); warpgroup wg stages in their wg-th halves. Its first thread issues both TMA stores
+  // and waits until they have read shared memory (the CTA ends after this).
+  template <class TensorAcc>
+  __device__ static void StoreDkDv(const BwdArgs& a, const typename Config::TmadKV& tma_dk,
+                                   const typename Config::TmadKV& tma_dv, const BwdTile& tile, TensorAcc& dk,
+                                   const TensorAcc& dv, Element* stage_k, Element* stage_v, int wg) {
+    using namespace cute;
+    using HalfN = Int<Config::kBlockN / 2>;
+    using HeadDim = typename Config::HeadDim;
+    cutlass::NumericArrayConverter<Element, float, 2> convert;
+    CUTE_UNROLL
+    for (int i = 0; i < size(dk); ++i) dk(i) *= a.scale;
+    Tensor rdK = make_tensor<Element>(dk.layout());
+    Tensor rdV = make_tensor<Element>(dv.layout());
+    ConvertFragment(dk, rdK, convert);
+    ConvertFragment(dv, rdV, convert);
+    Tensor sdK = make_tensor(make_smem_ptr(stage_k + wg * Config::kSmemdKVHalfElems),
+                             typename Config::SmemLayoutdKVHalf{});
+    Tensor sdV = make_tensor(make_smem_ptr(stage_v + wg * Config::kSmemdKVHalfElems),
+                             typename Config::SmemLayoutdKVHalf{});
+    // The thread index read anew (as the forward's out staging does): derived from the consumer
+    // index, the staging offsets may be computed before the walk and kept in registers across it.
+    int tid = 0;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    auto copy_kv = make_tiled_copy_C(typename Config::CopyAtomdKVStaging{}, typename Config::TiledMmadKVWarpgroup{});
+    auto thr_copy = copy_kv.get_thread_slice(tid % 128);
+    copy(copy_kv, thr_copy.retile_S(rdK), thr_copy.partition_D(sdK));
+    copy(copy_kv, thr_copy.retile_S(rdV), thr_copy.partition_D(sdV));
+    tma_store_fence();  // the staged rows are visible to the TMA unit
+    NamedBarrierSync(kBwdBarrierDsWarpgroup + wg, 128);
+    if (tid % 128 == 0) {
+      const auto shape = make_shape(a.kv_len, int32_t{Config::kHeadDim}, a.kv_heads, a.batch);
+      const auto block = make_coord(tile.n_block * Config::kConsumerWarpgroups + wg, _0{});
+      Tensor gdK = local_tile(tma_dk.get_tma_tensor(shape)(_, _, tile.kv_head, tile.batch), Shape<HalfN, HeadDim>{},
+                              block);
+      Tensor gdV = local_tile(tma_dv.get_tma_tensor(shape)(_, _, tile.kv_head, tile.batch), Shape<HalfN, HeadDim>{},
+                              block);
+      auto cta_dk = tma_dk.get_slice(0);
+      auto cta_dv = tma_dv.get_slice(0);
+      copy(tma_dk, cta_dk.partition_S(sdK), cta_dk.partition_D(gdK));
+      copy(tma_dv, cta_dv.partition_S(sdV), cta_dv.partition_D(gdV));
+      tma_store_arrive();
+      tma_store_wait<0>();
+    }
+  }
+
   // dk, dv: the (key, head dim) accumulators; coords: each element's (key,
   // column) in the kBlockN x H tile. Stages dV and scale * dK in shared memory
   // (stage_k, stage_v: kBlockN * H elements each, free for the consumers: the
@@ -110,8 +162,9 @@ struct BwdEpilogue {
   // pieces of the rows j < S (per-thread 4-byte stores from the fragments used
   // half of each 32-byte sector: ncu on the H100, 2026-12-05).
   template <class TensorAcc, class TensorC>
-  __device__ static void StoreDkDv(const BwdArgs& a, const BwdTile& tile, const TensorAcc& dk, const TensorAcc& dv,
-                                   const TensorC& coords, Element* stage_k, Element* stage_v, int consumer_tid) {
+  __device__ static void StoreDkDvByThreads(const BwdArgs& a, const BwdTile& tile, const TensorAcc& dk,
+                                            const TensorAcc& dv, const TensorC& coords, Element* stage_k,
+                                            Element* stage_v, int consumer_tid) {
     using namespace cute;
     constexpr int kChunks = Config::kHeadDim / 8;  // 16-byte pieces per row
     cutlass::NumericArrayConverter<Element, float, 2> convert;

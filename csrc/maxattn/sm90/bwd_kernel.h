@@ -45,6 +45,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_co
     cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    if constexpr (Config::kTmaStoreDkDv) {
+      cute::prefetch_tma_descriptor(p.tma_dk.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.tma_dv.get_tma_descriptor());
+    }
   }
 
   // Q and dO stages complete when their tile and their 256 bytes of row statistics have landed.
@@ -84,7 +88,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_co
                                    static_cast<int>(threadIdx.x) - 128);
     } else {
       int* order_table = reinterpret_cast<int*>(smem_raw + sizeof(SharedStorage));
-      BwdConsumer<Config>::Run(p.args, smem, pipe_q, pipe_do, tile, m_lo, m_hi, static_cast<int>(blockIdx.x),
+      BwdConsumer<Config>::Run(p, smem, pipe_q, pipe_do, tile, m_lo, m_hi, static_cast<int>(blockIdx.x),
                                order_table, static_cast<int>(threadIdx.x) - 128);
     }
   }
@@ -169,6 +173,17 @@ Status LaunchBackward(const BwdArgs& args, const void* q, const void* k, const v
                           typename Config::SmemLayoutK{}, TileKV{}, _1{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(v, args.kv_len, args.kv_heads, args.batch),
                           typename Config::SmemLayoutV{}, TileKV{}, _1{});
+  if constexpr (Config::kTmaStoreDkDv) {
+    auto out = [&](void* ptr) {
+      const int64_t row = static_cast<int64_t>(args.kv_heads) * kHeadDim;
+      return make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)),
+                         make_layout(make_shape(args.kv_len, int32_t{kHeadDim}, args.kv_heads, args.batch),
+                                     make_stride(row, _1{}, int64_t{kHeadDim}, row * args.kv_len)));
+    };
+    using TileKVHalf = Shape<Int<Config::kBlockN / 2>, typename Config::HeadDim>;
+    p.tma_dk = make_tma_copy(SM90_TMA_STORE{}, out(args.dk), typename Config::SmemLayoutdKVHalf{}, TileKVHalf{}, _1{});
+    p.tma_dv = make_tma_copy(SM90_TMA_STORE{}, out(args.dv), typename Config::SmemLayoutdKVHalf{}, TileKVHalf{}, _1{});
+  }
   p.args = args;
 
   // The turn table fits: Sm90BackwardUnsupportedReason bounds num_m_blocks by kBwdMaxOrderedQueryBlocks.

@@ -42,9 +42,10 @@ struct BwdConsumer {
   // when empty) and stores dK and dV of the tile's keys. launch_index and
   // order_table: the CTA's place in its row and shared memory for the turns
   // of the deterministic mode (a.dq_turns set).
-  __device__ static void Run(const BwdArgs& a, SharedStorage& smem, Pipeline& pipe_q, Pipeline& pipe_do,
+  __device__ static void Run(const BwdParams<Config>& p, SharedStorage& smem, Pipeline& pipe_q, Pipeline& pipe_do,
                              const BwdTile& tile, int m_lo, int m_hi, int launch_index, int* order_table,
                              int consumer_tid) {
+    const BwdArgs& a = p.args;
     using namespace cute;
     using BlockM = typename Config::BlockM;
     using BlockN = typename Config::BlockN;
@@ -68,7 +69,6 @@ struct BwdConsumer {
     auto wg_dkv = mma_dkv.get_thread_slice(wg * 128);
     auto wg_dq = mma_dq.get_thread_slice(kSplitKeys ? 0 : wg * 128);
     auto thr_sdp = mma_sdp.get_thread_slice(consumer_tid);
-    auto thr_dkv = mma_dkv.get_thread_slice(consumer_tid);
 
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Config::SmemLayoutQ{});
     Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Config::SmemLayoutQt{});
@@ -112,11 +112,9 @@ struct BwdConsumer {
     auto thr_copy_ds = copy_ds.get_thread_slice(consumer_tid);
     Tensor tdSsdS = thr_copy_ds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, M, N, buffer)
 
-    // Coordinates: (key, query) of the S^T elements, (key, column) of dK's and
-    // dV's (dQ's are the post-pass's).
+    // Coordinates: (key, query) of the S^T elements (dQ's are the post-pass's).
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<BlockN, BlockM>{}));
     Tensor cS_rc = make_tensor(cS.data(), RowColLayout(cS.layout()));
-    Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(Shape<BlockN, HeadDim>{}));
 
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<BlockN, HeadDim>{});
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<BlockN, HeadDim>{});
@@ -185,7 +183,7 @@ struct BwdConsumer {
     }
     // Both warpgroups' last GEMMs have read Q and dO: their shared memory stages dV and dK.
     NamedBarrierSync(kBwdBarrierDs, Config::kConsumerThreads);
-    BwdEpilogue<Config>::StoreDkDv(a, tile, tdKrdK, tdVrdV, cdKV, smem.dout.data(), smem.q.data(), consumer_tid);
+    BwdEpilogue<Config>::StoreDkDv(a, p.tma_dk, p.tma_dv, tile, tdKrdK, tdVrdV, smem.dout.data(), smem.q.data(), wg);
   }
 };
 

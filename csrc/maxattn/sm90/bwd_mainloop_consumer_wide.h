@@ -16,7 +16,7 @@
 // The buffers alternate, so a step's stores never meet the other
 // warpgroup's GEMMs of the step before: it passed this step's barrier only
 // after they retired. dK and dV stay in registers for the whole walk and are
-// stored once (bwd_epilogue.h, StoreDkDv).
+// stored once (bwd_epilogue.h, StoreDkDvByThreads).
 // Deterministic mode (a.dq_turns set): before each of its two dQ adds a
 // warpgroup waits until its counter of that (query block, warpgroup, half)
 // has reached its turn -- the number of CTAs launched earlier whose walk
@@ -196,7 +196,8 @@ struct BwdWideConsumer {
     }
     // Both warpgroups' last GEMMs have read Q and dO: their shared memory stages dV and dK.
     NamedBarrierSync(kBwdBarrierDs, Config::kConsumerThreads);
-    BwdEpilogue<Config>::StoreDkDv(a, tile, tdKrdK, tdVrdV, cdKV, smem.dout.data(), smem.q.data(), consumer_tid);
+    BwdEpilogue<Config>::StoreDkDvByThreads(a, tile, tdKrdK, tdVrdV, cdKV, smem.dout.data(), smem.q.data(),
+                                            consumer_tid);
   }
 };
 
