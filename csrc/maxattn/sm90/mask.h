@@ -208,24 +208,32 @@ struct BlockMask {
       const int j = n0 + get<0>(coords(r, 0));
       i_lo[r] = causal ? j - diag : INT_MIN;
       if (window_right >= 0) i_lo[r] = max(i_lo[r], j - diag - window_right);
-      i_hi[r] = window_left >= 0 ? j - diag + window_left : INT_MAX;
+      i_hi[r] = window_left >= 0 ? min(j - diag + window_left, q_valid - 1) : q_valid - 1;
       if (j >= kv_valid) i_hi[r] = INT_MIN;
       if (segments) {
         id[r] = j < kv_valid ? __ldg(args.kv_segment_ids + static_cast<int64_t>(batch) * args.kv_len + j) : 0;
       }
     }
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(s); ++c) {
-      const int i = m0 + get<1>(coords(0, c));
-      int q_id = 0;
-      if (segments) q_id = i < q_valid ? __ldg(args.q_segment_ids + static_cast<int64_t>(batch) * args.q_len + i) : 0;
+    // One loop per case, so that the common one (no segment ids) runs as compares and selects
+    // without a per-column test of `segments` and its loads.
+    auto apply = [&](auto with_segments) {
       CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        bool hidden = i < i_lo[r] || i > i_hi[r] || i >= q_valid;
-        if (segments) hidden |= q_id == 0 || q_id != id[r];
-        if (hidden) s(r, c) = -INFINITY;
+      for (int c = 0; c < size<1>(s); ++c) {
+        const int i = m0 + get<1>(coords(0, c));
+        int q_id = 0;
+        if constexpr (decltype(with_segments)::value) {
+          q_id = i < q_valid ? __ldg(args.q_segment_ids + static_cast<int64_t>(batch) * args.q_len + i) : 0;
+        }
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          bool hidden = (i < i_lo[r]) | (i > i_hi[r]);
+          if constexpr (decltype(with_segments)::value) hidden |= (q_id == 0) | (q_id != id[r]);
+          s(r, c) = hidden ? -INFINITY : s(r, c);
+        }
       }
-    }
+    };
+    if (segments) apply(cute::true_type{});
+    else apply(cute::false_type{});
   }
 };
 
