@@ -319,6 +319,59 @@ int CheckForwardTileOrder() {
   return failures;
 }
 
+// The causal backward's launch order (BwdStaticScheduler::Sectioned, tile_scheduler.h) maps the
+// launch indices onto every (key block, KV head, batch) exactly once, and within a section hands
+// out the key blocks in increasing order: longest walks first.
+int CheckBackwardTileOrder() {
+  using maxattn::sm90::BwdArgs;
+  using maxattn::sm90::BwdStaticScheduler;
+  struct Case {
+    int batch, heads, kv_heads, q_len, kv_len, head_dim;
+  };
+  const Case cases[] = {{4, 32, 32, 2048, 2048, 128}, {4, 32, 8, 4096, 4096, 128}, {2, 16, 16, 8192, 8192, 128},
+                        {3, 5, 1, 1000, 1500, 64},    {1, 7, 7, 300, 131072, 128}, {2, 6, 3, 129, 129, 256},
+                        {5, 12, 12, 4096, 4096, 64},  {1, 1, 1, 65536, 65536, 128}};
+  int failures = 0;
+  for (const Case& c : cases) {
+    BwdArgs a;
+    a.batch = c.batch;
+    a.heads = c.heads;
+    a.kv_heads = c.kv_heads;
+    a.group = c.heads / c.kv_heads;
+    a.q_len = c.q_len;
+    a.kv_len = c.kv_len;
+    a.causal = true;
+    const int block_n = maxattn::sm90::BwdBlockN(c.head_dim);
+    a.num_n_blocks = (c.kv_len + block_n - 1) / block_n;
+    const int section_rows = BwdStaticScheduler::SectionRows(a, c.head_dim, 2);
+    const int ctas = a.num_n_blocks * c.kv_heads * c.batch;
+    std::vector<int> seen(static_cast<size_t>(ctas), 0);
+    int bad = 0, prev_section = -1, prev_n = 0;
+    for (int i = 0; i < ctas; ++i) {
+      const auto t = BwdStaticScheduler::Sectioned(a, section_rows, i);
+      const bool in_range = t.n_block >= 0 && t.n_block < a.num_n_blocks && t.kv_head >= 0 &&
+                            t.kv_head < a.kv_heads && t.batch >= 0 && t.batch < a.batch;
+      if (!in_range || seen[(static_cast<size_t>(t.batch) * a.kv_heads + t.kv_head) * a.num_n_blocks + t.n_block]++) {
+        ++bad;
+        continue;
+      }
+      const int section = (t.batch * a.kv_heads + t.kv_head) / section_rows;
+      if (section == prev_section && t.n_block < prev_n) ++bad;  // longest walks first within a section
+      prev_section = section;
+      prev_n = t.n_block;
+    }
+    a.causal = false;
+    const bool ok = bad == 0 && section_rows >= 1 && BwdStaticScheduler::SectionRows(a, c.head_dim, 2) == 0;
+    if (!ok) {
+      std::printf("  backward tile order (%d,%d,%d,%d,%d,H=%d): %d bad tiles, section_rows %d\n", c.batch, c.q_len,
+                  c.heads, c.kv_heads, c.kv_len, c.head_dim, bad, section_rows);
+      ++failures;
+    }
+  }
+  std::printf("backward tile order: every tile once, longest first per section: %s\n", failures == 0 ? "ok" : "FAILED");
+  return failures;
+}
+
 }  // namespace
 
 int main() {
@@ -342,5 +395,6 @@ int main() {
   failures += CheckBackwardDkDvStaging<BwdConfig<128, cutlass::bfloat16_t>>();
   failures += CheckBackwardDkDvStaging<BwdConfig<64, cutlass::half_t, true>>();
   failures += CheckForwardTileOrder();
+  failures += CheckBackwardTileOrder();
   return failures == 0 ? 0 : 1;
 }

@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_co
   __syncthreads();
 
   const bool ordered = p.args.dq_turns != nullptr;  // deterministic mode (bwd_dq_order.h)
-  const BwdTile tile = BwdStaticScheduler::Get(p.args, ordered);
+  const BwdTile tile = BwdStaticScheduler::Get(p.args, p.args.section_rows, ordered);
   int m_lo = 0, m_hi = 0;
   BlockMask::MakeRow(p.args, tile.batch)
       .template QueryBlockRange<Config::kBlockM, Config::kBlockN>(p.args, tile.n_block * Config::kBlockN, &m_lo,
@@ -185,6 +185,7 @@ Status LaunchBackward(const BwdArgs& args, const void* q, const void* k, const v
     p.tma_dv = make_tma_copy(SM90_TMA_STORE{}, out(args.dv), typename Config::SmemLayoutdKVHalf{}, TileKVHalf{}, _1{});
   }
   p.args = args;
+  p.args.section_rows = args.dq_turns != nullptr ? 0 : BwdStaticScheduler::SectionRows(args, kHeadDim, sizeof(Element));
 
   // The turn table fits: Sm90BackwardUnsupportedReason bounds num_m_blocks by kBwdMaxOrderedQueryBlocks.
   const int smem_bytes = Config::SmemBytes(args.dq_turns != nullptr, args.num_m_blocks);

@@ -18,6 +18,14 @@
 
 namespace maxattn::sm90 {
 
+// L2 sections (the persistent forward's and the causal backward's orders below):
+// a section's rows keep the data their tiles share within this many bytes.
+// -DMAXATTN_SM90_L2_SECTION_MIB=n overrides it for experiments.
+#ifndef MAXATTN_SM90_L2_SECTION_MIB
+#define MAXATTN_SM90_L2_SECTION_MIB 32
+#endif
+constexpr int64_t kL2SectionBytes = int64_t{MAXATTN_SM90_L2_SECTION_MIB} << 20;
+
 struct StaticLongestFirstScheduler {
   static dim3 Grid(const FwdArgs& args) {
     return dim3(static_cast<unsigned>(args.num_m_blocks), static_cast<unsigned>(args.heads),
@@ -63,7 +71,6 @@ struct PersistentLongestFirstScheduler {
   // head_dim elements of element_bytes each, per KV head) within
   // kL2SectionBytes, at least one group; 1 when the tiles are all alike (no
   // causal mask).
-  static constexpr int64_t kL2SectionBytes = int64_t{32} << 20;
   static int SectionHeads(const ProblemArgs& args, int head_dim, int element_bytes) {
     if (!args.causal) return 1;
     const int64_t rows = static_cast<int64_t>(args.heads) * args.batch;
@@ -107,15 +114,41 @@ struct BwdTile {
   int batch;
 };
 
-// The backward: one CTA per (key block, KV head, batch), key blocks fastest.
-// Key block n = blockIdx.x, except in the deterministic mode (bwd_dq_order.h),
-// where the key blocks are launched last first: the order of the dQ adds is
-// the launch order there, and under a causal mask the last key block's CTA
-// (the shortest walk, starting on the diagonal) reaches each query block first.
+// The backward: one CTA per (key block, KV head, batch), grid (num_n_blocks,
+// kv_heads, batch), which the hardware dispatches in launch order (x fastest).
+// - Without a causal mask (every walk alike): key block n = blockIdx.x, so the
+//   CTAs of one (KV head, batch) row run side by side and share its Q and dO
+//   in L2.
+// - Deterministic mode (bwd_dq_order.h): the same, key blocks launched last
+//   first: the order of the dQ adds is the launch order there, and under a
+//   causal mask the last key block's CTA (the shortest walk, starting on the
+//   diagonal) reaches each query block first.
+// - Causal, plain mode: longest walks first within L2 sections (section_rows >
+//   0). Key block n walks the query blocks at or after it, so walks shorten
+//   with n; row by row, each row's longest walks were launched while its short
+//   ones followed, and the grid ended with the last rows' long walks running
+//   alone on a few SMs. The launch sequence is cut into sections of
+//   section_rows rows whose Q and dO fit in L2 together (SectionRows); inside
+//   a section the key block is the outer index and the row the inner one, so
+//   the grid ends on the last section's shortest walks. (FlashAttention-3 orders
+//   its causal backward longest first too.)
 struct BwdStaticScheduler {
   static dim3 Grid(const ProblemArgs& args) {
     return dim3(static_cast<unsigned>(args.num_n_blocks), static_cast<unsigned>(args.kv_heads),
                 static_cast<unsigned>(args.batch));
+  }
+
+  // Rows per L2 section of the causal plain mode: as many (KV head, batch) rows
+  // as keep their Q and dO (group x q_len x head_dim elements of element_bytes
+  // each, per row) within kL2SectionBytes, at least one; 0 (key blocks fastest
+  // per row) without a causal mask.
+  static int SectionRows(const ProblemArgs& args, int head_dim, int element_bytes) {
+    if (!args.causal) return 0;
+    const int64_t rows = static_cast<int64_t>(args.kv_heads) * args.batch;
+    const int64_t row_bytes = int64_t{2} * args.group * args.q_len * head_dim * element_bytes;
+    const int64_t fit = row_bytes > 0 ? kL2SectionBytes / row_bytes : rows;
+    const int64_t section = fit < 1 ? 1 : fit;
+    return static_cast<int>(section < rows ? section : rows);
   }
 
   // The key block of the CTA launched x-th in its (KV head, batch) row.
@@ -123,7 +156,27 @@ struct BwdStaticScheduler {
     return reversed ? args.num_n_blocks - 1 - x : x;
   }
 
-  __device__ static BwdTile Get(const ProblemArgs& args, bool reversed) {
+  // The tile of the CTA launched index-th (index = blockIdx.x + num_n_blocks *
+  // (blockIdx.y + kv_heads * blockIdx.z)) in the causal plain mode.
+  __host__ __device__ static BwdTile Sectioned(const ProblemArgs& args, int section_rows, int index) {
+    const int section_ctas = section_rows * args.num_n_blocks;
+    const int section = index / section_ctas;
+    const int first_row = section * section_rows;
+    const int rows_left = args.kv_heads * args.batch - first_row;
+    const int rows = rows_left < section_rows ? rows_left : section_rows;
+    const int within = index - section * section_ctas;
+    const int row = first_row + within % rows;
+    return BwdTile{within / rows, row % args.kv_heads, row / args.kv_heads};
+  }
+
+  // section_rows: SectionRows' value (0: key blocks fastest per row); reversed:
+  // the deterministic mode, which keeps the per-row order.
+  __device__ static BwdTile Get(const ProblemArgs& args, int section_rows, bool reversed) {
+    if (section_rows > 0 && !reversed) {
+      const int row = static_cast<int>(blockIdx.y) + args.kv_heads * static_cast<int>(blockIdx.z);
+      const int index = static_cast<int>(blockIdx.x) + args.num_n_blocks * row;
+      return Sectioned(args, section_rows, index);
+    }
     return BwdTile{KeyBlock(args, static_cast<int>(blockIdx.x), reversed), static_cast<int>(blockIdx.y),
                    static_cast<int>(blockIdx.z)};
   }
