@@ -209,8 +209,8 @@ struct BwdArgs : ProblemArgs {
   // zeroed before the kernel. Null: dQ tiles are added in whatever order the
   // CTAs get there.
   int* dq_turns = nullptr;
-  // Causal plain mode: (KV head, batch) rows per L2 section of the longest-first
-  // launch order (BwdStaticScheduler, tile_scheduler.h); 0: key blocks fastest
+  // (KV head, batch) rows per L2 section of the longest-first launch order
+  // (BwdStaticScheduler::LongestFirst, tile_scheduler.h); 0: key blocks fastest
   // per row. Set by LaunchBackward.
   int section_rows = 0;
 };

@@ -185,7 +185,9 @@ Status LaunchBackward(const BwdArgs& args, const void* q, const void* k, const v
     p.tma_dv = make_tma_copy(SM90_TMA_STORE{}, out(args.dv), typename Config::SmemLayoutdKVHalf{}, TileKVHalf{}, _1{});
   }
   p.args = args;
-  p.args.section_rows = args.dq_turns != nullptr ? 0 : BwdStaticScheduler::SectionRows(args, kHeadDim, sizeof(Element));
+  p.args.section_rows = BwdStaticScheduler::LongestFirst(args, kHeadDim, args.dq_turns != nullptr)
+                             ? BwdStaticScheduler::SectionRows(args, kHeadDim, sizeof(Element))
+                             : 0;
 
   // The turn table fits: Sm90BackwardUnsupportedReason bounds num_m_blocks by kBwdMaxOrderedQueryBlocks.
   const int smem_bytes = Config::SmemBytes(args.dq_turns != nullptr, args.num_m_blocks);

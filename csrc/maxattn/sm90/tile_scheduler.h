@@ -116,22 +116,21 @@ struct BwdTile {
 
 // The backward: one CTA per (key block, KV head, batch), grid (num_n_blocks,
 // kv_heads, batch), which the hardware dispatches in launch order (x fastest).
-// - Without a causal mask (every walk alike): key block n = blockIdx.x, so the
-//   CTAs of one (KV head, batch) row run side by side and share its Q and dO
-//   in L2.
+// - By default key block n = blockIdx.x, so the CTAs of one (KV head, batch)
+//   row run side by side and share its Q and dO in L2.
 // - Deterministic mode (bwd_dq_order.h): the same, key blocks launched last
 //   first: the order of the dQ adds is the launch order there, and under a
 //   causal mask the last key block's CTA (the shortest walk, starting on the
 //   diagonal) reaches each query block first.
-// - Causal, plain mode: longest walks first within L2 sections (section_rows >
-//   0). Key block n walks the query blocks at or after it, so walks shorten
-//   with n; row by row, each row's longest walks were launched while its short
-//   ones followed, and the grid ended with the last rows' long walks running
-//   alone on a few SMs. The launch sequence is cut into sections of
-//   section_rows rows whose Q and dO fit in L2 together (SectionRows); inside
-//   a section the key block is the outer index and the row the inner one, so
-//   the grid ends on the last section's shortest walks. (FlashAttention-3 orders
-//   its causal backward longest first too.)
+// - Causal, plain mode at head dim 128 (LongestFirst): longest walks first
+//   within L2 sections (section_rows > 0). Key block n walks the query blocks
+//   at or after it, so walks shorten with n; row by row, each row's longest
+//   walks were launched while its short ones followed, and the grid ended with
+//   the last rows' long walks running alone on a few SMs. The launch sequence
+//   is cut into sections of section_rows rows whose Q and dO fit in L2
+//   together (SectionRows); inside a section the key block is the outer index
+//   and the row the inner one, so the grid ends on the last section's shortest
+//   walks. (FlashAttention-3 orders its causal backward longest first too.)
 struct BwdStaticScheduler {
   static dim3 Grid(const ProblemArgs& args) {
     return dim3(static_cast<unsigned>(args.num_n_blocks), static_cast<unsigned>(args.kv_heads),
@@ -149,6 +148,14 @@ struct BwdStaticScheduler {
     const int64_t fit = row_bytes > 0 ? kL2SectionBytes / row_bytes : rows;
     const int64_t section = fit < 1 ? 1 : fit;
     return static_cast<int>(section < rows ? section : rows);
+  }
+
+  // Whether a launch takes the sectioned order: the causal plain mode at head
+  // dim 128, where it measured 2.5% (T = 2048) and 4.1% (T = 8192) faster than
+  // key blocks fastest per row; at head dim 64 it measured 3.5% slower (H100,
+  // ncu, bench/RESULTS.md, fourteenth session); head dim 256 is not measured.
+  static bool LongestFirst(const ProblemArgs& args, int head_dim, bool ordered) {
+    return args.causal && !ordered && head_dim == 128;
   }
 
   // The key block of the CTA launched x-th in its (KV head, batch) row.
