@@ -246,7 +246,8 @@ int CheckStmatrixStaging(const char* what) {
   }
   if (rows) std::printf("  %s: %d elements where the warpgroup's MMA has another row\n", what, rows);
   if (moved) std::printf("  %s: %d elements staged at another coordinate\n", what, moved);
-  std::printf("%s: staged by stmatrix at the accumulator's coordinates: %s\n", what, rows + moved == 0 ? "ok" : "FAILED");
+  std::printf("%s: staged by stmatrix at the accumulator's coordinates: %s\n", what,
+              rows + moved == 0 ? "ok" : "FAILED");
   return rows + moved;
 }
 

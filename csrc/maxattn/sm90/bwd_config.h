@@ -92,7 +92,8 @@ struct BwdConfig {
   // or dS^T) from registers, B (dO^T or Q^T) read MN-major from shared memory.
   using MmadKVAtom = decltype(cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<HalfN, HeadDim, BlockM>,
                                                          cute::GMMA::Major::K, cute::GMMA::Major::MN>());
-  using TiledMmadKV = decltype(cute::make_tiled_mma(MmadKVAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  using TiledMmadKV =
+      decltype(cute::make_tiled_mma(MmadKVAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   // One warpgroup's share of dK and dV: the thread layout of their stmatrix staging (bwd_epilogue.h;
   // sm90_layout_check emulates the instruction on these views).
   using TiledMmadKVWarpgroup = decltype(cute::make_tiled_mma(MmadKVAtom{}));
