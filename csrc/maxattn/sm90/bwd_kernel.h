@@ -157,10 +157,7 @@ Status LaunchBackward(const BwdArgs& args, const void* q, const void* k, const v
   using namespace cute;
   using Config = BwdConfigFor<kHeadDim, Element, kSoftcap>;
   auto gmem = [](const void* ptr, int len, int heads, int batch) {
-    const int64_t row = static_cast<int64_t>(heads) * kHeadDim;
-    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
-                       make_layout(make_shape(len, int32_t{kHeadDim}, heads, batch),
-                                   make_stride(row, _1{}, int64_t{kHeadDim}, row * len)));
+    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), MakeGmemLayout(len, kHeadDim, heads, batch));
   };
   using TileQ = Shape<typename Config::BlockM, typename Config::HeadDim>;
   using TileKV = Shape<typename Config::BlockN, typename Config::HeadDim>;
@@ -175,10 +172,8 @@ Status LaunchBackward(const BwdArgs& args, const void* q, const void* k, const v
                           typename Config::SmemLayoutV{}, TileKV{}, _1{});
   if constexpr (Config::kTmaStoreDkDv) {
     auto out = [&](void* ptr) {
-      const int64_t row = static_cast<int64_t>(args.kv_heads) * kHeadDim;
       return make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)),
-                         make_layout(make_shape(args.kv_len, int32_t{kHeadDim}, args.kv_heads, args.batch),
-                                     make_stride(row, _1{}, int64_t{kHeadDim}, row * args.kv_len)));
+                         MakeGmemLayout(args.kv_len, kHeadDim, args.kv_heads, args.batch));
     };
     using TileKVHalf = Shape<Int<Config::kBlockN / 2>, typename Config::HeadDim>;
     p.tma_dk = make_tma_copy(SM90_TMA_STORE{}, out(args.dk), typename Config::SmemLayoutdKVHalf{}, TileKVHalf{}, _1{});

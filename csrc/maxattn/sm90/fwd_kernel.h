@@ -140,10 +140,7 @@ Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const vo
   using namespace cute;
   using Config = FwdConfig<kHeadDim, Element, kVariant, kSoftcap>;
   auto gmem = [](const void* ptr, int len, int heads, int batch) {
-    const int64_t row = static_cast<int64_t>(heads) * kHeadDim;
-    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
-                       make_layout(make_shape(len, int32_t{kHeadDim}, heads, batch),
-                                   make_stride(row, _1{}, int64_t{kHeadDim}, row * len)));
+    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), MakeGmemLayout(len, kHeadDim, heads, batch));
   };
   FwdParams<Config> p;
   p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem(q, args.q_len, args.heads, args.batch),
@@ -156,10 +153,8 @@ Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const vo
                           take<0, 2>(typename Config::SmemLayoutV{}),
                           Shape<typename Config::BlockN, typename Config::HeadDim>{}, _1{});
   if constexpr (Config::kTmaStoreOut) {
-    const int64_t row = static_cast<int64_t>(args.heads) * kHeadDim;
     auto out = make_tensor(make_gmem_ptr(static_cast<Element*>(args.out)),
-                           make_layout(make_shape(args.q_len, int32_t{kHeadDim}, args.heads, args.batch),
-                                       make_stride(row, _1{}, int64_t{kHeadDim}, row * args.q_len)));
+                           MakeGmemLayout(args.q_len, kHeadDim, args.heads, args.batch));
     p.tma_o = make_tma_copy(SM90_TMA_STORE{}, out, typename Config::SmemLayoutOHalf{},
                             Shape<typename Config::WarpgroupRows, typename Config::HeadDim>{}, _1{});
   }

@@ -110,6 +110,12 @@ constexpr int kQueryBlockSize = 128;
 // Global tensors seen by TMA: (sequence, head dim, head, batch), head dim contiguous.
 using GmemLayout = cute::Layout<cute::Shape<int32_t, int32_t, int32_t, int32_t>,
                                 cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
+// The GmemLayout of a [batch, len, heads, head_dim] array.
+inline GmemLayout MakeGmemLayout(int len, int head_dim, int heads, int batch) {
+  const int64_t row = static_cast<int64_t>(heads) * head_dim;
+  return GmemLayout(cute::make_shape(len, head_dim, heads, batch),
+                    cute::make_stride(row, cute::_1{}, int64_t{head_dim}, row * len));
+}
 template <class Element>
 using GmemTensorOf =
     decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}));
