@@ -268,6 +268,20 @@ int CheckBackwardDkDvStaging() {
                               typename Config::CopyAtomdKVStaging, Config::kBlockN / 2, Config::kHeadDim>(what);
 }
 
+// A problem's sizes in FwdArgs or BwdArgs (the schedulers read only these).
+template <class Args>
+Args ProblemSizes(int batch, int heads, int kv_heads, int q_len, int kv_len, bool causal) {
+  Args a;
+  a.batch = batch;
+  a.heads = heads;
+  a.kv_heads = kv_heads;
+  a.group = heads / kv_heads;
+  a.q_len = q_len;
+  a.kv_len = kv_len;
+  a.causal = causal;
+  return a;
+}
+
 // The persistent forward's tile sequence (tile_scheduler.h) visits every (query block, head,
 // batch) exactly once, and a causal section hands out its query blocks longest first.
 int CheckForwardTileOrder() {
@@ -283,14 +297,7 @@ int CheckForwardTileOrder() {
                         {2, 6, 3, 129, 129, true},     {5, 12, 12, 4096, 4096, true}};
   int failures = 0;
   for (const Case& c : cases) {
-    FwdArgs a;
-    a.batch = c.batch;
-    a.heads = c.heads;
-    a.kv_heads = c.kv_heads;
-    a.group = c.heads / c.kv_heads;
-    a.q_len = c.q_len;
-    a.kv_len = c.kv_len;
-    a.causal = c.causal;
+    FwdArgs a = ProblemSizes<FwdArgs>(c.batch, c.heads, c.kv_heads, c.q_len, c.kv_len, c.causal);
     a.num_m_blocks = (c.q_len + 127) / 128;
     a.num_tiles = a.num_m_blocks * c.heads * c.batch;
     a.section_heads = PersistentLongestFirstScheduler::SectionHeads(a, 128, 2);
@@ -334,14 +341,7 @@ int CheckBackwardTileOrder() {
                         {5, 12, 12, 4096, 4096, 64},  {1, 1, 1, 65536, 65536, 128}};
   int failures = 0;
   for (const Case& c : cases) {
-    BwdArgs a;
-    a.batch = c.batch;
-    a.heads = c.heads;
-    a.kv_heads = c.kv_heads;
-    a.group = c.heads / c.kv_heads;
-    a.q_len = c.q_len;
-    a.kv_len = c.kv_len;
-    a.causal = true;
+    BwdArgs a = ProblemSizes<BwdArgs>(c.batch, c.heads, c.kv_heads, c.q_len, c.kv_len, true);
     const int block_n = maxattn::sm90::BwdBlockN(c.head_dim);
     a.num_n_blocks = (c.kv_len + block_n - 1) / block_n;
     const int section_rows = BwdStaticScheduler::SectionRows(a, c.head_dim, 2);

@@ -26,6 +26,13 @@ namespace maxattn::sm90 {
 #endif
 constexpr int64_t kL2SectionBytes = int64_t{MAXATTN_SM90_L2_SECTION_MIB} << 20;
 
+// How many units of unit_bytes each fit in kL2SectionBytes, at least one
+// (fallback when unit_bytes is 0).
+inline int64_t UnitsPerL2Section(int64_t unit_bytes, int64_t fallback) {
+  const int64_t fit = unit_bytes > 0 ? kL2SectionBytes / unit_bytes : fallback;
+  return fit < 1 ? 1 : fit;
+}
+
 struct StaticLongestFirstScheduler {
   static dim3 Grid(const FwdArgs& args) {
     return dim3(static_cast<unsigned>(args.num_m_blocks), static_cast<unsigned>(args.heads),
@@ -75,8 +82,7 @@ struct PersistentLongestFirstScheduler {
     if (!args.causal) return 1;
     const int64_t rows = static_cast<int64_t>(args.heads) * args.batch;
     const int64_t kv_bytes = int64_t{2} * args.kv_len * head_dim * element_bytes;
-    const int64_t groups = kv_bytes > 0 ? kL2SectionBytes / kv_bytes : rows;
-    const int64_t heads = (groups < 1 ? 1 : groups) * args.group;
+    const int64_t heads = UnitsPerL2Section(kv_bytes, rows) * args.group;
     return static_cast<int>(heads < rows ? heads : rows);
   }
 
@@ -145,8 +151,7 @@ struct BwdStaticScheduler {
     if (!args.causal) return 0;
     const int64_t rows = static_cast<int64_t>(args.kv_heads) * args.batch;
     const int64_t row_bytes = int64_t{2} * args.group * args.q_len * head_dim * element_bytes;
-    const int64_t fit = row_bytes > 0 ? kL2SectionBytes / row_bytes : rows;
-    const int64_t section = fit < 1 ? 1 : fit;
+    const int64_t section = UnitsPerL2Section(row_bytes, rows);
     return static_cast<int>(section < rows ? section : rows);
   }
 
@@ -176,10 +181,10 @@ struct BwdStaticScheduler {
     return BwdTile{within / rows, row % args.kv_heads, row / args.kv_heads};
   }
 
-  // section_rows: SectionRows' value (0: key blocks fastest per row); reversed:
-  // the deterministic mode, which keeps the per-row order.
+  // section_rows: SectionRows' value where LongestFirst holds, else 0 (key
+  // blocks fastest per row); reversed: the deterministic mode (section_rows 0).
   __device__ static BwdTile Get(const ProblemArgs& args, int section_rows, bool reversed) {
-    if (section_rows > 0 && !reversed) {
+    if (section_rows > 0) {
       const int row = static_cast<int>(blockIdx.y) + args.kv_heads * static_cast<int>(blockIdx.z);
       const int index = static_cast<int>(blockIdx.x) + args.num_n_blocks * row;
       return Sectioned(args, section_rows, index);
