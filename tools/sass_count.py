@@ -31,9 +31,9 @@ _INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z
 
 
 def _cuobjdump() -> str:
-    for folder in (os.environ.get("CUOBJDUMP_DIR"), None, "/usr/local/cuda/bin"):
-        found = shutil.which("cuobjdump", path=folder) if folder else shutil.which("cuobjdump")
-        if found:
+    # shutil.which searches PATH when `path` is None.
+    for folder in (os.environ.get("CUOBJDUMP_DIR") or None, None, "/usr/local/cuda/bin"):
+        if found := shutil.which("cuobjdump", path=folder):
             return found
     sys.exit("cuobjdump not found: install the toolkit's, or the nvidia-cuda-cuobjdump wheel and set CUOBJDUMP_DIR")
 
@@ -49,6 +49,10 @@ def opcode_counts(path: str) -> dict[str, collections.Counter]:
         elif current is not None and (m := _INSTRUCTION.match(line)):
             current[m.group(1)] += 1
     return kernels
+
+
+def _spills(counts: collections.Counter) -> int:
+    return counts["STL"] + counts["LDL"]
 
 
 def main() -> None:
@@ -70,9 +74,8 @@ def main() -> None:
         delta = {op: b[op] - a[op] for op in set(a) | set(b) if b[op] != a[op]}
         if not delta and not args.all:
             continue
-        spills = lambda c: c["STL"] + c["LDL"]  # noqa: E731
         print(f"{name}\n  {sum(a.values())} -> {sum(b.values())} instructions, "
-              f"spill stores+loads {spills(a)} -> {spills(b)}")
+              f"spill stores+loads {_spills(a)} -> {_spills(b)}")
         if delta:
             print("  " + " ".join(f"{op}{d:+d}" for d, op in sorted((d, op) for op, d in delta.items())))
 
