@@ -22,15 +22,22 @@ and, with --fa3, "fa3 fwd+bwd" (flash_mha differentiated). `--variants` picks
 a subset by name; it can also name the soft-cap variants, which no default
 includes: "fwd+cap50" and "cap50 fwd+bwd" (--impl with logits_soft_cap=50).
 
+With --trace the variants instead run in this one process, timed by JAX's own profiler (CUPTI's
+activity records, bench/trace_time.py): no ncu child per variant (whose start-up under ncu took
+~2 minutes of a device call per forward+backward variant), the variants' samples interleaved
+(--reps of --calls calls each, the order alternating), medians reported. The kernels run at full
+speed rather than serialised, so the sums are the same device time without ncu's replay.
+
 Usage (on the GPU machine):
     python bench/gpu_kernels.py [--impl cudnn|sm90] [--calls 5] [--shapes 0,1] [--fa3] [--bwd [--deterministic]]
-                                [--variants fwd,fwd+cap50,...] [--json out.json]
+                                [--variants fwd,fwd+cap50,...] [--trace [--reps 5]] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 import ncu_time
@@ -50,7 +57,8 @@ SHAPES = [(4, 2048, 32, 32, 128, True), (8, 2048, 16, 16, 64, True), (2, 8192, 1
           (4, 2048, 16, 16, 256, True)]  # head dim 256 (Gemma's): sm90's forward against cuDNN's
 
 
-def _child(variant: str, shape_index: int, calls: int, impl: str) -> None:
+def _build(variant: str, shape_index: int, impl: str):
+    """The jitted call of one variant at one shape, and its inputs."""
     import jax
     import jax.numpy as jnp
 
@@ -89,11 +97,18 @@ def _child(variant: str, shape_index: int, calls: int, impl: str) -> None:
             return maxattn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl,
                                                  return_lse=want_lse, return_max_logit=want_max, logits_soft_cap=cap)
 
+    return fn, (q, k, v)
+
+
+def _child(variant: str, shape_index: int, calls: int, impl: str) -> None:
+    import jax
+
+    fn, inputs = _build(variant, shape_index, impl)
     for _ in range(3):
-        jax.block_until_ready(fn(q, k, v))
+        jax.block_until_ready(fn(*inputs))
     with ncu_time.profiled():
         for _ in range(calls):
-            jax.block_until_ready(fn(q, k, v))
+            jax.block_until_ready(fn(*inputs))
 
 
 def _origin(name: str) -> str:
@@ -110,11 +125,8 @@ def _origin(name: str) -> str:
     return "xla"
 
 
-def _profile(variant: str, shape_index: int, calls: int, impl: str) -> dict:
-    kernels = ncu_time.kernel_times([sys.executable, __file__, "--child", variant, str(shape_index), str(calls), impl],
-                                    timeout=300)
-    if isinstance(kernels, str):
-        return {"error": kernels}
+def _summary(kernels: list[tuple[str, float]], calls: int) -> dict:
+    """A variant's row from the (name, ns) of its kernels over `calls` calls."""
     by_origin: dict[str, float] = {}
     names: dict[str, float] = {}
     for name, ns in kernels:
@@ -124,6 +136,56 @@ def _profile(variant: str, shape_index: int, calls: int, impl: str) -> dict:
             "by_origin_us": {k: v / 1e3 for k, v in by_origin.items()},
             "kernels_us": {k: v / 1e3 for k, v in names.items()},
             "kernels_per_call": len(kernels) / calls}
+
+
+def _profile(variant: str, shape_index: int, calls: int, impl: str) -> dict:
+    kernels = ncu_time.kernel_times([sys.executable, __file__, "--child", variant, str(shape_index), str(calls), impl],
+                                    timeout=300)
+    if isinstance(kernels, str):
+        return {"error": kernels}
+    return _summary(kernels, calls)
+
+
+def _trace_row(variants: list[str], shape_index: int, calls: int, impl: str, reps: int) -> dict:
+    """--trace: every variant in this process, --reps interleaved samples of `calls` calls each
+    under the JAX profiler. A variant's row is its median sample (device time per call) with the
+    kernel breakdown of all samples; a variant that fails to run gets its error."""
+    import jax
+
+    import trace_time
+
+    built, row = {}, {}
+    for v in variants:
+        try:
+            fn, inputs = _build(v, shape_index, impl)
+            for _ in range(3):
+                jax.block_until_ready(fn(*inputs))
+            built[v] = (fn, inputs)
+        except Exception as e:  # a refusal (no Hopper GPU, FA3 not installed, ...)
+            row[v] = {"error": f"{type(e).__name__}: {e}"}
+    samples: dict[str, list[list[tuple[str, float]]]] = {v: [] for v in built}
+    for r in range(reps):
+        for v in list(built) if r % 2 == 0 else list(built)[::-1]:
+            fn, inputs = built[v]
+            with trace_time.kernels() as traced:
+                out = None
+                for _ in range(calls):
+                    out = fn(*inputs)
+                jax.block_until_ready(out)
+            if not traced.kernels:
+                row[v] = {"error": f"no GPU kernels in the profile; its planes: {traced.layout}"}
+                del built[v]
+                continue
+            samples[v].append(traced.kernels)
+    for v, runs in samples.items():
+        if v in row or not runs:
+            continue
+        summary = _summary([kn for run in runs for kn in run], calls * len(runs))
+        per_sample = [sum(ns for _, ns in run) / calls / 1e3 for run in runs]
+        summary["us_per_call"] = statistics.median(per_sample)
+        summary["spread_pct"] = (max(per_sample) - min(per_sample)) / summary["us_per_call"] * 100
+        row[v] = summary
+    return {v: row[v] for v in variants}
 
 
 def main() -> None:
@@ -140,7 +202,10 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true",
                         help="with --bwd: also --impl with deterministic_backward=True")
     parser.add_argument("--variants", help="comma-separated subset of the variants to profile (default: all of the "
-                        "mode's), e.g. fwd,fwd+max,fa3 -- each variant is one ncu process")
+                        "mode's), e.g. fwd,fwd+max,fa3 -- each variant is one ncu process (without --trace)")
+    parser.add_argument("--trace", action="store_true",
+                        help="time the variants in this process with the JAX profiler instead of one ncu child each")
+    parser.add_argument("--reps", type=int, default=5, help="with --trace: interleaved samples per variant")
     parser.add_argument("--json")
     args = parser.parse_args()
     results = {}
@@ -157,14 +222,19 @@ def main() -> None:
         if unknown:
             parser.error(f"--variants: {unknown} not among this mode's variants {known}")
         variants = [v for v in known if v in wanted]
-    print(f"# impl {args.impl}; device time per call (ncu --clock-control none, {args.calls} calls)")
+    how = (f"JAX profiler, median of {args.reps} interleaved samples of {args.calls} calls" if args.trace else
+           f"ncu --clock-control none, {args.calls} calls")
+    print(f"# impl {args.impl}; device time per call ({how})")
     cols = ("vs fwd+bwd", "vs cudnn fwd+bwd") if args.bwd else ("vs fwd", "vs fwd+lse")
     print("| B | T | N | K | H | causal | variant | GPU µs/call | attention µs | maxattn µs | XLA µs | kernels/call "
           f"| {cols[0]} | {cols[1]} |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for si in (int(s) for s in args.shapes.split(",")):
         B, T, N, K, H, causal = SHAPES[si]
-        row = {v: _profile(v, si, args.calls, args.impl) for v in variants}
+        if args.trace:
+            row = _trace_row(variants, si, args.calls, args.impl, args.reps)
+        else:
+            row = {v: _profile(v, si, args.calls, args.impl) for v in variants}
         results[str(SHAPES[si])] = dict(row, impl=args.impl)
         for v, r in row.items():
             if "error" in r:
