@@ -208,6 +208,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="with --trace: interleaved samples per variant")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.trace and args.reps < 1:
+        parser.error("--reps: at least one sample per variant")
     results = {}
     if args.bwd:
         variants = (["fwd+bwd", "cudnn fwd+bwd"] + (["det fwd+bwd"] if args.deterministic else []) +
