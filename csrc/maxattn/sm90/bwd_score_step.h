@@ -41,8 +41,11 @@ struct BwdScoreStep {
                 m0 + Config::kBlockM > mask.q_valid;
   }
 
-  // Waits for S^T (tSrS), masks it on boundary tiles and writes P^T to rP (the
-  // element type, tSrS's layout); leaves in tSrS what ScoreGrad multiplies.
+  // Waits for S^T (tSrS), writes P^T to rP (the element type, tSrS's layout)
+  // with the hidden entries of boundary tiles 0, and leaves in tSrS what
+  // ScoreGrad multiplies. Without a cap the mask comes after the exponent
+  // (hidden: P = 0, whatever the lse); with one before it (hidden: -inf, which
+  // Probabilities turns into 0).
   template <class Grad, class TensorS, class TensorP, class TensorC, int kCols>
   __device__ __forceinline__ void Probabilities(const BwdArgs& a, const Grad& grad, TensorS& tSrS, TensorP& rP,
                                                 const TensorC& cS_rc, const float (&lse2)[kCols]) const {
@@ -51,11 +54,17 @@ struct BwdScoreStep {
     warpgroup_fence_operand(tSrS);
     Tensor s = make_tensor(tSrS.data(), RowColLayout(tSrS.layout()));
     Tensor p = make_tensor(rP.data(), s.layout());
-    if (need_mask) {
-      mask.ApplyTransposed(a, s, cS_rc, m0, n0);
-      grad.template Probabilities<true>(s, p, lse2);
+    if constexpr (Config::kSoftcap) {
+      if (need_mask) {
+        mask.ApplyTransposed(a, s, cS_rc, m0, n0, -INFINITY);
+        grad.template Probabilities<true>(s, p, lse2);
+      } else {
+        grad.template Probabilities<false>(s, p, lse2);
+      }
     } else {
-      grad.template Probabilities<false>(s, p, lse2);
+      grad.Exponentiate(s, lse2);
+      if (need_mask) mask.ApplyTransposed(a, s, cS_rc, m0, n0, 0.0f);
+      Grad::ToElement(s, p);
     }
   }
 

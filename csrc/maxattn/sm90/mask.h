@@ -197,9 +197,11 @@ struct BlockMask {
   // Apply: the backward has no epilogue that drops those rows); with segment
   // ids the query's id must be the key's, and not 0. The ids of a key are
   // loaded once per row, those of a query once per column (only tiles on a
-  // segment boundary get here).
+  // segment boundary get here). Hidden entries become `hidden`: -inf for raw
+  // scores, 0 for probabilities (the backward without a soft cap masks P).
   template <class TensorS, class TensorC>
-  __device__ void ApplyTransposed(const ProblemArgs& args, TensorS& s, const TensorC& coords, int m0, int n0) const {
+  __device__ void ApplyTransposed(const ProblemArgs& args, TensorS& s, const TensorC& coords, int m0, int n0,
+                                  float hidden) const {
     using namespace cute;
     constexpr int kRows = decltype(size<0>(s))::value;
     int i_lo[kRows], i_hi[kRows], id[kRows];
@@ -226,9 +228,9 @@ struct BlockMask {
         }
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
-          bool hidden = (i < i_lo[r]) | (i > i_hi[r]);
-          if constexpr (decltype(with_segments)::value) hidden |= (q_id == 0) | (q_id != id[r]);
-          s(r, c) = hidden ? -INFINITY : s(r, c);
+          bool hide = (i < i_lo[r]) | (i > i_hi[r]);
+          if constexpr (decltype(with_segments)::value) hide |= (q_id == 0) | (q_id != id[r]);
+          s(r, c) = hide ? hidden : s(r, c);
         }
       }
     };

@@ -179,16 +179,45 @@ template <bool kSoftcap>
 struct SoftmaxGrad {
   SoftmaxScales k;
 
-  // s: raw scores (masked entries -inf) of a (rows, cols) view; lse2[c]: the
-  // column's lse*log2(e). Writes P to p (the element type, for the dV GEMM)
-  // and leaves in s what ScoreGrad multiplies (P, or P * (1 - t^2)).
-  // kMasked: the tile went through the mask, so a -inf score gives P = 0 even
-  // where the row's lse is NaN (a NaN query row must not reach the dV or dQ
-  // of keys it does not see; dK: docs/contract.md), and under a soft cap
-  // (tanh(-inf) = -1) at all. Elsewhere a -inf score comes only from an
-  // infinite input, whose capped logit is -cap (the forward's choice too).
+  // Without a cap: s (raw scores of a (rows, cols) view) becomes P in place;
+  // lse2[c]: the column's lse*log2(e). No mask here: on a boundary tile the
+  // caller then sets the hidden entries to 0 (BwdScoreStep), which holds even
+  // where the row's lse is NaN (a NaN query row must not reach the dV or dQ of
+  // keys it does not see; dK: docs/contract.md) and costs one select per
+  // element instead of a -inf before the exponent and a compare and select
+  // after it. ToElement then converts P for the dV GEMM.
+  template <class TensorS, int kCols>
+  __device__ __forceinline__ void Exponentiate(TensorS& s, const float (&lse2)[kCols]) const {
+    static_assert(!kSoftcap, "a soft cap needs P and P * (1 - t^2): Probabilities");
+    using namespace cute;
+    static_assert(decltype(size<1>(s))::value == kCols);
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(s); ++r) s(r, c) = Exp2Approx(fmaf(s(r, c), k.scale_log2, -lse2[c]));
+    }
+  }
+
+  // P for the dV GEMM, converted in the registers' own order: neighbouring elements (two
+  // columns of one row) pack into one 32-bit register as the GEMM reads them. Converted in
+  // the loops' column-major order, the compiler paired rows r and r + 8 and re-paired them
+  // with 16 PRMTs per step.
+  template <class TensorS, class TensorP>
+  __device__ __forceinline__ static void ToElement(const TensorS& s, TensorP& p) {
+    using Element = typename TensorP::value_type;
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(s); ++i) p.data()[i] = static_cast<Element>(s.data()[i]);
+  }
+
+  // With a cap: s holds raw scores (masked entries -inf); writes P to p (the
+  // element type, for the dV GEMM) and leaves P * (1 - t^2) in s for
+  // ScoreGrad. kMasked: the tile went through the mask, so a -inf score gives
+  // P = 0, also where the row's lse is NaN, and despite tanh(-inf) = -1.
+  // Elsewhere a -inf score comes only from an infinite input, whose capped
+  // logit is -cap (the forward's choice too).
   template <bool kMasked, class TensorS, class TensorP, int kCols>
   __device__ __forceinline__ void Probabilities(TensorS& s, TensorP& p, const float (&lse2)[kCols]) const {
+    static_assert(kSoftcap, "without a cap: Exponentiate, the mask, ToElement");
     using namespace cute;
     using Element = typename TensorP::value_type;
     static_assert(decltype(size<1>(s))::value == kCols);
@@ -197,27 +226,12 @@ struct SoftmaxGrad {
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
         const float x = s(r, c);
-        float prob;
-        if constexpr (kSoftcap) {
-          const float t = TanhApprox(x * k.cap_in);
-          prob = Exp2Approx(fmaf(t, k.cap_log2, -lse2[c]));
-          if constexpr (kMasked) prob = x == -INFINITY ? 0.0f : prob;
-          s(r, c) = prob * fmaf(-t, t, 1.0f);
-          p(r, c) = static_cast<Element>(prob);
-        } else {
-          prob = Exp2Approx(fmaf(x, k.scale_log2, -lse2[c]));
-          if constexpr (kMasked) prob = x == -INFINITY ? 0.0f : prob;
-          s(r, c) = prob;
-        }
+        const float t = TanhApprox(x * k.cap_in);
+        float prob = Exp2Approx(fmaf(t, k.cap_log2, -lse2[c]));
+        if constexpr (kMasked) prob = x == -INFINITY ? 0.0f : prob;
+        s(r, c) = prob * fmaf(-t, t, 1.0f);
+        p(r, c) = static_cast<Element>(prob);
       }
-    }
-    // Without a cap s holds P itself: converted in the registers' own order, neighbouring
-    // elements (two columns of one row) pack into one 32-bit register as the dV GEMM reads
-    // them. Converted in the loop's column-major order above, the compiler paired rows r and
-    // r + 8 and re-paired them with 16 PRMTs per step.
-    if constexpr (!kSoftcap) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(s); ++i) p.data()[i] = static_cast<Element>(s.data()[i]);
     }
   }
 
