@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_co
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
     if (warp == 0) {
-      if (threadIdx.x == 0 && m_lo < m_hi) BwdProducer<Config>::Run(p, smem, pipe_q, pipe_do, tile, m_lo, m_hi);
+      if (m_lo < m_hi) BwdProducer<Config>::Run(p, smem, pipe_q, pipe_do, tile, m_lo, m_hi);
     }
     if constexpr (!Config::kDqFromRegisters) {
       if (warp >= 1 && warp <= Config::kConsumerWarpgroups && m_lo < m_hi) {  // warp w writes warpgroup w - 1's dQ

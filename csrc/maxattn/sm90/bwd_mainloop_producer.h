@@ -1,5 +1,7 @@
-// maxattn sm90: the backward's producer. One thread issues every load of a
-// CTA: K and V of its key block once (on their own transaction barrier), then
+// maxattn sm90: the backward's producer. Warp 0 runs it, one elected lane
+// issues every load of a CTA (the warp's other lanes follow the loop, which
+// keeps its coordinates warp-uniform: uniform registers, as the TMA
+// instructions read them, instead of per-thread values moved over per load): K and V of its key block once (on their own transaction barrier), then
 // per step (query head of the group, query block) Q with its lse*log2(e) into
 // the next stage of pipe_q and dO with its D - dlse into the same stage of
 // pipe_do, in the order the consumers use them. Q and dO rows past T are
@@ -23,6 +25,8 @@ struct BwdProducer {
   using PipelineState = typename Config::PipelineState;
 
   // Query blocks [m_lo, m_hi) of every head of the tile's group (non-empty).
+  // Called by all of warp 0; the pipelines' leader (threadIdx.x == 0, their
+  // expect-tx) is the lane that elect_one_sync picks, which issues the copies.
   __device__ static void Run(const BwdParams<Config>& p, SharedStorage& smem, Pipeline& pipe_q, Pipeline& pipe_do,
                              const BwdTile& tile, int m_lo, int m_hi) {
     using namespace cute;
@@ -42,9 +46,12 @@ struct BwdProducer {
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutKV1{});
     auto [tKg, tKs] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVg, tVs] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    smem.barrier_kv.arrive_and_expect_tx(2 * Config::kBytesKV);
-    copy(p.tma_k.with(reinterpret_cast<uint64_t&>(smem.barrier_kv), 0), tKg(_, tile.n_block), tKs(_, 0));
-    copy(p.tma_v.with(reinterpret_cast<uint64_t&>(smem.barrier_kv), 0), tVg(_, tile.n_block), tVs(_, 0));
+    const bool issue = cute::elect_one_sync();
+    if (issue) {
+      smem.barrier_kv.arrive_and_expect_tx(2 * Config::kBytesKV);
+      copy(p.tma_k.with(reinterpret_cast<uint64_t&>(smem.barrier_kv), 0), tKg(_, tile.n_block), tKs(_, 0));
+      copy(p.tma_v.with(reinterpret_cast<uint64_t&>(smem.barrier_kv), 0), tVg(_, tile.n_block), tVs(_, 0));
+    }
 
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(a.q_len, H, a.heads, a.batch));
     Tensor mdO = p.tma_do.get_tma_tensor(make_shape(a.q_len, H, a.heads, a.batch));
@@ -63,14 +70,18 @@ struct BwdProducer {
         const int stage = static_cast<int>(state.index());
         pipe_q.producer_acquire(state);
         uint64_t* q_full = pipe_q.producer_get_barrier(state);
-        copy(p.tma_q.with(*q_full, 0), tQg(_, m), tQs(_, stage));
-        SM90_BULK_COPY_G2S::copy(a.lse_log2 + stats_row + m * Config::kBlockM, q_full, smem.lse_log2[stage],
-                                 Config::kBytesRowStats);
+        if (issue) {
+          copy(p.tma_q.with(*q_full, 0), tQg(_, m), tQs(_, stage));
+          SM90_BULK_COPY_G2S::copy(a.lse_log2 + stats_row + m * Config::kBlockM, q_full, smem.lse_log2[stage],
+                                   Config::kBytesRowStats);
+        }
         pipe_do.producer_acquire(state);
         uint64_t* do_full = pipe_do.producer_get_barrier(state);
-        copy(p.tma_do.with(*do_full, 0), tdOg(_, m), tdOs(_, stage));
-        SM90_BULK_COPY_G2S::copy(a.dpsum + stats_row + m * Config::kBlockM, do_full, smem.dpsum[stage],
-                                 Config::kBytesRowStats);
+        if (issue) {
+          copy(p.tma_do.with(*do_full, 0), tdOg(_, m), tdOs(_, stage));
+          SM90_BULK_COPY_G2S::copy(a.dpsum + stats_row + m * Config::kBlockM, do_full, smem.dpsum[stage],
+                                   Config::kBytesRowStats);
+        }
         ++state;
       }
     }
