@@ -56,14 +56,14 @@ struct BwdScoreStep {
     Tensor p = make_tensor(rP.data(), s.layout());
     if constexpr (Config::kSoftcap) {
       if (need_mask) {
-        mask.ApplyTransposed(a, s, cS_rc, m0, n0, -INFINITY);
+        mask.template ApplyTransposed<Config::kBlockM, Config::kBlockN>(a, s, cS_rc, m0, n0, -INFINITY);
         grad.template Probabilities<true>(s, p, lse2);
       } else {
         grad.template Probabilities<false>(s, p, lse2);
       }
     } else {
       grad.Exponentiate(s, lse2);
-      if (need_mask) mask.ApplyTransposed(a, s, cS_rc, m0, n0, 0.0f);
+      if (need_mask) mask.template ApplyTransposed<Config::kBlockM, Config::kBlockN>(a, s, cS_rc, m0, n0, 0.0f);
       Grad::ToElement(s, p);
     }
   }

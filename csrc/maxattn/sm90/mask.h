@@ -199,7 +199,11 @@ struct BlockMask {
   // loaded once per row, those of a query once per column (only tiles on a
   // segment boundary get here). Hidden entries become `hidden`: -inf for raw
   // scores, 0 for probabilities (the backward without a soft cap masks P).
-  template <class TensorS, class TensorC>
+  // The tile is kBlockN keys from n0 by kBlockM queries from m0: when it lies
+  // inside both valid lengths and no left window or segment ids apply, only the
+  // lower bound can hide (the causal diagonal, a right window), one compare per
+  // element instead of two.
+  template <int kBlockM, int kBlockN, class TensorS, class TensorC>
   __device__ void ApplyTransposed(const ProblemArgs& args, TensorS& s, const TensorC& coords, int m0, int n0,
                                   float hidden) const {
     using namespace cute;
@@ -218,7 +222,7 @@ struct BlockMask {
     }
     // One loop per case, so that the common one (no segment ids) runs as compares and selects
     // without a per-column test of `segments` and its loads.
-    auto apply = [&](auto with_segments) {
+    auto apply = [&](auto with_segments, auto with_upper) {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
         const int i = m0 + get<1>(coords(0, c));
@@ -228,14 +232,17 @@ struct BlockMask {
         }
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
-          bool hide = (i < i_lo[r]) | (i > i_hi[r]);
+          bool hide = i < i_lo[r];
+          if constexpr (decltype(with_upper)::value) hide |= i > i_hi[r];
           if constexpr (decltype(with_segments)::value) hide |= (q_id == 0) | (q_id != id[r]);
           s(r, c) = hide ? hidden : s(r, c);
         }
       }
     };
-    if (segments) apply(cute::true_type{});
-    else apply(cute::false_type{});
+    if (segments) apply(cute::true_type{}, cute::true_type{});
+    else if (window_left >= 0 || m0 + kBlockM > q_valid || n0 + kBlockN > kv_valid)
+      apply(cute::false_type{}, cute::true_type{});
+    else apply(cute::false_type{}, cute::false_type{});
   }
 };
 
