@@ -161,7 +161,9 @@ struct BwdConfig {
     alignas(128) float dpsum[kStages][kBlockM];     // D - dlse, with dO
     alignas(16) typename Pipeline::SharedStorage pipe_q;
     alignas(16) typename Pipeline::SharedStorage pipe_do;
-    alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_kv;
+    // K and V of the CTA's key block, on barriers of their own: the first S^T needs only K.
+    alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_k;
+    alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_v;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   // With the deterministic mode's turn table (bwd_dq_order.h): one int per query block, and one more.

@@ -140,7 +140,9 @@ struct BwdWideConfig {
     int turn_partial[kConsumerWarpgroups][4];       // deterministic mode: a warp's share of its warpgroup's turn
     alignas(16) typename Pipeline::SharedStorage pipe_q;
     alignas(16) typename Pipeline::SharedStorage pipe_do;
-    alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_kv;
+    // K and V of the CTA's key block, on barriers of their own: the first S^T needs only K.
+    alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_k;
+    alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_v;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   // No turn table: the deterministic mode counts each turn when it needs it.

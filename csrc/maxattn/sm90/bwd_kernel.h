@@ -59,7 +59,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) BwdKernel(const __grid_co
   pipe_params.num_consumers = Config::kConsumerThreads;
   Pipeline pipe_q(smem.pipe_q, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
   Pipeline pipe_do(smem.pipe_do, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
-  if (threadIdx.x == 0) smem.barrier_kv.init(1);
+  if (threadIdx.x == 0) {
+    smem.barrier_k.init(1);
+    smem.barrier_v.init(1);
+  }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 

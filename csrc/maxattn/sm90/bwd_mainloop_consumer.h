@@ -128,7 +128,7 @@ struct BwdConsumer {
 
     if (m_lo < m_hi) {
       if (a.dq_turns != nullptr) DqOrder<Config>::Count(a, tile, launch_index, m_lo, m_hi, order_table, consumer_tid);
-      smem.barrier_kv.wait(0);
+      smem.barrier_k.wait(0);
       PipelineState state;
       int buffer = 0;
       for (int g = 0; g < a.group; ++g) {
@@ -139,6 +139,7 @@ struct BwdConsumer {
           pipe_q.consumer_wait(state);
           IssueGemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
           pipe_do.consumer_wait(state);
+          smem.barrier_v.wait(0);  // V: only the first wait blocks (a flag would cost a register)
           IssueGemm<true, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
           const BwdScoreStep<Config> scores(a, tile.batch, m, n0);  // the mask, decided while the GEMMs run
           float stats[kCols];

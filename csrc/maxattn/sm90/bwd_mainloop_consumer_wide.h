@@ -117,7 +117,7 @@ struct BwdWideConsumer {
     const int n0 = tile.n_block * kBlockN;
 
     if (m_lo < m_hi) {
-      smem.barrier_kv.wait(0);
+      smem.barrier_k.wait(0);
       PipelineState state;
       int buffer = 0;
       for (int g = 0; g < a.group; ++g) {
@@ -129,6 +129,7 @@ struct BwdWideConsumer {
           pipe_q.consumer_wait(state);
           IssueGemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
           pipe_do.consumer_wait(state);
+          smem.barrier_v.wait(0);  // V: only the first wait blocks (a flag would cost a register)
           IssueGemm<true, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
           // Deterministic mode: this step's turn, counted while the GEMMs run.
           int turn = 0;

@@ -1,12 +1,13 @@
 // maxattn sm90: the backward's producer. Warp 0 runs it, one elected lane
 // issues every load of a CTA (the warp's other lanes follow the loop, which
 // keeps its coordinates warp-uniform: uniform registers, as the TMA
-// instructions read them, instead of per-thread values moved over per load): K and V of its key block once (on their own transaction barrier), then
-// per step (query head of the group, query block) Q with its lse*log2(e) into
-// the next stage of pipe_q and dO with its D - dlse into the same stage of
-// pipe_do, in the order the consumers use them. Q and dO rows past T are
-// zero-filled by TMA; the row statistics are padded to t_pad by the pre-pass,
-// so their 256-byte bulk copies never leave the buffer.
+// instructions read them, instead of per-thread values moved over per load):
+// K and V of its key block once, each on its own transaction barrier (V after
+// the first Q stage), then per step (query head of the group, query block) Q
+// with its lse*log2(e) into the next stage of pipe_q and dO with its D - dlse
+// into the same stage of pipe_do, in the order the consumers use them. Q and
+// dO rows past T are zero-filled by TMA; the row statistics are padded to
+// t_pad by the pre-pass, so their 256-byte bulk copies never leave the buffer.
 #ifndef MAXATTN_SM90_BWD_MAINLOOP_PRODUCER_H_
 #define MAXATTN_SM90_BWD_MAINLOOP_PRODUCER_H_
 
@@ -48,10 +49,12 @@ struct BwdProducer {
     auto [tVg, tVs] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
     const bool issue = cute::elect_one_sync();
     if (issue) {
-      smem.barrier_kv.arrive_and_expect_tx(2 * Config::kBytesKV);
-      copy(p.tma_k.with(reinterpret_cast<uint64_t&>(smem.barrier_kv), 0), tKg(_, tile.n_block), tKs(_, 0));
-      copy(p.tma_v.with(reinterpret_cast<uint64_t&>(smem.barrier_kv), 0), tVg(_, tile.n_block), tVs(_, 0));
+      smem.barrier_k.arrive_and_expect_tx(Config::kBytesKV);
+      copy(p.tma_k.with(reinterpret_cast<uint64_t&>(smem.barrier_k), 0), tKg(_, tile.n_block), tKs(_, 0));
     }
+    // V after the first Q stage: the first S^T = K Q^T then waits for 48 of the first step's 96 KB
+    // (H = 128), and dP^T = V dO^T, issued after it, for the rest.
+    bool v_loaded = false;
 
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(a.q_len, H, a.heads, a.batch));
     Tensor mdO = p.tma_do.get_tma_tensor(make_shape(a.q_len, H, a.heads, a.batch));
@@ -74,6 +77,13 @@ struct BwdProducer {
           copy(p.tma_q.with(*q_full, 0), tQg(_, m), tQs(_, stage));
           SM90_BULK_COPY_G2S::copy(a.lse_log2 + stats_row + m * Config::kBlockM, q_full, smem.lse_log2[stage],
                                    Config::kBytesRowStats);
+        }
+        if (!v_loaded) {
+          if (issue) {
+            smem.barrier_v.arrive_and_expect_tx(Config::kBytesKV);
+            copy(p.tma_v.with(reinterpret_cast<uint64_t&>(smem.barrier_v), 0), tVg(_, tile.n_block), tVs(_, 0));
+          }
+          v_loaded = true;
         }
         pipe_do.producer_acquire(state);
         uint64_t* do_full = pipe_do.producer_get_barrier(state);
