@@ -79,11 +79,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
   int q_loads = 0;
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
-    if (threadIdx.x == 0) {
+    if (warp == 0) {  // the whole warp, so that the loop's values stay warp-uniform (mainloop_producer.h)
+      const bool issue = cute::elect_one_sync();
+      const int issuer = __ffs(__ballot_sync(0xffffffffu, issue)) - 1;
       typename Config::PipelineState state = cutlass::make_producer_start_state<Pipeline>();
       auto produce = [&](const Tile& tile, int n_lo, int n_hi) {
         if (n_lo >= n_hi) return;
-        ProducerMainloop<Config>::Run(p, smem, pipe_k, pipe_v, tile, n_lo, n_hi, state, q_loads);
+        ProducerMainloop<Config>::Run(p, smem, pipe_k, pipe_v, tile, n_lo, n_hi, state, q_loads, issue);
         ++q_loads;
       };
       if constexpr (Config::kPersistentGrid) {
@@ -91,12 +93,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
         for (int index = static_cast<int>(blockIdx.x);;) {
           const TileSlot slot = slot_at(index);
           pipe_tile.producer_acquire(tile_state);
-          smem.tile_slot[tile_state.index()] = slot;
-          pipe_tile.producer_commit(tile_state);
+          if (issue) {  // the tile pipeline expects one producer arrival
+            smem.tile_slot[tile_state.index()] = slot;
+            pipe_tile.producer_commit(tile_state);
+          }
           ++tile_state;
           if (index >= p.args.num_tiles) break;  // the consumers stop on it too
           produce(slot.tile, slot.n_lo, slot.n_hi);
-          index = PersistentLongestFirstScheduler::Next(p.args);
+          index = __shfl_sync(0xffffffffu, issue ? PersistentLongestFirstScheduler::Next(p.args) : 0, issuer);
         }
       } else {
         const TileSlot slot = slot_at(0);

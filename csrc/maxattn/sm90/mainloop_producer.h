@@ -1,7 +1,10 @@
-// maxattn sm90: the producer. One thread issues every TMA load of a tile: Q
-// once (completing on its own transaction barrier), then K and V of each key
-// block into the next stage of their pipelines, in the order the consumers
-// use them (last key block first, so the masked diagonal blocks come first).
+// maxattn sm90: the producer. Warp 0 runs it and one elected lane issues
+// every TMA load of a tile: Q once (completing on its own transaction
+// barrier), then K and V of each key block into the next stage of their
+// pipelines, in the order the consumers use them (last key block first, so the
+// masked diagonal blocks come first). The other lanes follow the loop, which
+// keeps its coordinates warp-uniform (uniform registers, as the TMA
+// instructions read them) instead of moving them over before every load.
 // Out-of-range rows (T, S not multiples of the tile) are zero-filled by TMA.
 #ifndef MAXATTN_SM90_MAINLOOP_PRODUCER_H_
 #define MAXATTN_SM90_MAINLOOP_PRODUCER_H_
@@ -19,12 +22,14 @@ struct ProducerMainloop {
   using Pipeline = typename Config::Pipeline;
   using PipelineState = typename Config::PipelineState;
 
-  // state: the producer write position, carried across tiles; q_loads: how
-  // many earlier tiles of this CTA loaded Q (the parity to wait on before
-  // overwriting it).
+  // Called by all of warp 0. state: the producer write position, carried
+  // across tiles; q_loads: how many earlier tiles of this CTA loaded Q (the
+  // parity to wait on before overwriting it); issue: this lane issues the
+  // copies (elect_one_sync: the pipelines' leader, threadIdx.x == 0, which
+  // does their expect-tx in producer_acquire).
   __device__ static void Run(const FwdParams<Config>& p, SharedStorage& smem, Pipeline& pipe_k,
                              Pipeline& pipe_v, const Tile& tile, int n_lo, int n_hi, PipelineState& state,
-                             int q_loads) {
+                             int q_loads, bool issue) {
     using namespace cute;
     const FwdArgs& a = p.args;
     constexpr int H = Config::kHeadDim;
@@ -45,14 +50,16 @@ struct ProducerMainloop {
     auto [tVg, tVs] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
     if (q_loads > 0) smem.barrier_q_empty.wait(static_cast<uint32_t>((q_loads - 1) & 1));
-    smem.barrier_q.arrive_and_expect_tx(Config::kBytesQ);
-    copy(p.tma_q.with(reinterpret_cast<uint64_t&>(smem.barrier_q), 0), tQg, tQs);
+    if (issue) {
+      smem.barrier_q.arrive_and_expect_tx(Config::kBytesQ);
+      copy(p.tma_q.with(reinterpret_cast<uint64_t&>(smem.barrier_q), 0), tQg, tQs);
+    }
 
     for (int nb = n_hi - 1; nb >= n_lo; --nb) {
       pipe_k.producer_acquire(state);
-      copy(p.tma_k.with(*pipe_k.producer_get_barrier(state), 0), tKg(_, nb), tKs(_, state.index()));
+      if (issue) copy(p.tma_k.with(*pipe_k.producer_get_barrier(state), 0), tKg(_, nb), tKs(_, state.index()));
       pipe_v.producer_acquire(state);
-      copy(p.tma_v.with(*pipe_v.producer_get_barrier(state), 0), tVg(_, nb), tVs(_, state.index()));
+      if (issue) copy(p.tma_v.with(*pipe_v.producer_get_barrier(state), 0), tVg(_, nb), tVs(_, state.index()));
       ++state;
     }
   }
