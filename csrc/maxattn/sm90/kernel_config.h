@@ -105,6 +105,16 @@ constexpr bool UsesTileCounter(int head_dim) {
 
 // Keys per tile for a head dim (the host sizes the segment summaries with it).
 constexpr int KeyBlockSize(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+// Keys per tile of the head-dim-128 forward instance for calls whose tiles all
+// run unmasked but for the key tail: no causal mask, window, segment ids or soft
+// cap (UsesWideKeyBlocks, sm90_attention.cu). A tile's fixed work per key block
+// (the O rescale, the row reductions' shuffles, the pipeline hand-overs, the
+// mask decision) is spread over 160 keys instead of 128: 12.8 key blocks per
+// tile instead of 16 at S = 2048. 160 is the widest that fits two K/V stages of
+// 40 KB each next to Q and the out staging (32 KB each); FlashAttention-3 picks
+// 176 for this case, with its out staging sharing V's memory. Causal calls keep
+// 128: a wider block puts more masked entries on the diagonal.
+constexpr int kWideKeyBlockSize = 160;
 constexpr int kQueryBlockSize = 128;
 
 // Global tensors seen by TMA: (sequence, head dim, head, batch), head dim contiguous.
@@ -151,7 +161,8 @@ struct TileSlot {
 // kSoftcap_: the logit soft cap's softmax (softmax.h). Its own instance, so
 // that the plain kernel keeps its registers (one kernel with both loops
 // spilled at H=128).
-template <int kHeadDim_, class Element_, int kVariant_ = kOverlap, bool kSoftcap_ = false>
+template <int kHeadDim_, class Element_, int kVariant_ = kOverlap, bool kSoftcap_ = false,
+          int kBlockN_ = KeyBlockSize(kHeadDim_)>
 struct FwdConfig {
   using Element = Element_;
   static constexpr int kVariant = kVariant_;
@@ -165,7 +176,9 @@ struct FwdConfig {
   static constexpr int kExp2Poly = ForwardExp2Poly(kHeadDim, kSoftcap);
 
   static constexpr int kBlockM = kQueryBlockSize;
-  static constexpr int kBlockN = KeyBlockSize(kHeadDim);
+  static constexpr int kBlockN = kBlockN_;
+  static_assert(kBlockN == KeyBlockSize(kHeadDim) || (kHeadDim == 128 && kBlockN == kWideKeyBlockSize),
+                "key blocks: KeyBlockSize, or kWideKeyBlockSize at head dim 128");
   static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
