@@ -70,15 +70,16 @@ Status LaunchInstance(bool bf16, const sm90::FwdArgs& args, const AttentionInput
                     args, inputs.q, inputs.k, inputs.v, stream);
 }
 
+// args.block_n is ForwardKeyBlockSize's choice.
 template <bool kSoftcap>
 Status DispatchHeadDim(const AttentionShape& shape, const sm90::FwdArgs& args, const AttentionInputs& inputs,
-                       int block_n, cudaStream_t stream) {
+                       cudaStream_t stream) {
   const bool bf16 = inputs.dtype == DType::kBFloat16;
   switch (shape.head_dim) {
     case 64: return LaunchInstance<64, kSoftcap>(bf16, args, inputs, stream);
     case 128:
       if constexpr (!kSoftcap) {
-        if (block_n == sm90::kWideKeyBlockSize) {
+        if (args.block_n == sm90::kWideKeyBlockSize) {
           return LaunchInstance<128, false, sm90::kWideKeyBlockSize>(bf16, args, inputs, stream);
         }
       }
@@ -89,11 +90,10 @@ Status DispatchHeadDim(const AttentionShape& shape, const sm90::FwdArgs& args, c
   }
 }
 
-// block_n: ForwardKeyBlockSize's choice, with which args was made.
-Status Dispatch(const AttentionShape& shape, const sm90::FwdArgs& args, const AttentionInputs& inputs, int block_n,
+Status Dispatch(const AttentionShape& shape, const sm90::FwdArgs& args, const AttentionInputs& inputs,
                 cudaStream_t stream) {
-  return args.softcap > 0.0f ? DispatchHeadDim<true>(shape, args, inputs, block_n, stream)
-                             : DispatchHeadDim<false>(shape, args, inputs, block_n, stream);
+  return args.softcap > 0.0f ? DispatchHeadDim<true>(shape, args, inputs, stream)
+                             : DispatchHeadDim<false>(shape, args, inputs, stream);
 }
 
 Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs,
@@ -120,9 +120,8 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
   }
 
   sm90::FwdArgs args;
-  const int block_n = ForwardKeyBlockSize(shape, options, inputs);
-  static_cast<sm90::ProblemArgs&>(args) =
-      sm90::MakeProblemArgs(shape, options, inputs, sm90::kQueryBlockSize, block_n);
+  static_cast<sm90::ProblemArgs&>(args) = sm90::MakeProblemArgs(shape, options, inputs, sm90::kQueryBlockSize,
+                                                                ForwardKeyBlockSize(shape, options, inputs));
   args.out = outputs.out;
   args.lse = outputs.lse;
   args.max_logit = outputs.max_logit;
@@ -156,7 +155,7 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
       MAXATTN_RETURN_IF_ERROR(sm90::PrepareSegments(inputs, false, scratch + counter_bytes, stream, &args));
     }
   }
-  return Dispatch(shape, args, inputs, block_n, stream);
+  return Dispatch(shape, args, inputs, stream);
 }
 
 }  // namespace
