@@ -17,7 +17,8 @@
 // Also: the persistent forward's tile sequence is a bijection onto the tiles,
 // longest first within each L2 section (tile_scheduler.h), and its out tile
 // (epilogue.h) and the backward's dK and dV (bwd_epilogue.h) are staged by
-// stmatrix at the accumulator's coordinates.
+// stmatrix at the accumulator's coordinates, and the forward's P V reads P from the S accumulator's
+// registers in their order (at every key block width, 160 included).
 // Exit code 1 on any mismatch.
 #include <cstdio>
 #include <vector>
@@ -168,9 +169,9 @@ int CheckForwardOperands() {
   Tensor sVt = make_tensor(make_smem_ptr(base), typename Config::SmemLayoutVt{});
   typename Config::TiledMmaS mma_s;
   typename Config::TiledMmaO mma_o;
-  char what[32];
-  std::snprintf(what, sizeof(what), "forward H=%d%s loop %d", Config::kHeadDim, Config::kSoftcap ? " soft cap" : "",
-                Config::kVariant);
+  char what[48];
+  std::snprintf(what, sizeof(what), "forward H=%d%s N=%d loop %d", Config::kHeadDim, Config::kSoftcap ? " soft cap" : "",
+                Config::kBlockN, Config::kVariant);
   UniformityCheck check{what};
   for (int t = 0; t < Config::kConsumerThreads; ++t) {
     const int first = t / 128 * 128;
@@ -188,6 +189,29 @@ int CheckForwardOperands() {
   std::printf("%s: operand partitions warpgroup-uniform: %s\n", what,
               check.mismatches == 0 ? "ok" : "FAILED");
   return check.mismatches;
+}
+
+// P V takes P from registers: ConvertFragment (gemm.h) copies the S accumulator into P V's A
+// operand element by element, so element i of a thread's two fragments must be the same (query,
+// key). Checked per key block width, the wide instance's named 64 x 160 atom included.
+template <class Config>
+int CheckForwardPRegisters() {
+  typename Config::TiledMmaS mma_s;
+  typename Config::TiledMmaO mma_o;
+  Tensor id = make_identity_tensor(Shape<typename Config::BlockM, typename Config::BlockN>{});
+  int mismatches = 0;
+  for (int t = 0; t < Config::kConsumerThreads; ++t) {
+    Tensor c = mma_s.get_thread_slice(t).partition_C(id);
+    Tensor a = mma_o.get_thread_slice(t).partition_A(id);
+    if (size(c) != size(a)) {
+      ++mismatches;
+      continue;
+    }
+    for (int i = 0; i < size(c); ++i) mismatches += c(i) == a(i) ? 0 : 1;
+  }
+  std::printf("forward H=%d, %d-key blocks: S accumulator = P V's A registers: %s\n", Config::kHeadDim,
+              Config::kBlockN, mismatches == 0 ? "ok" : "FAILED");
+  return mismatches;
 }
 
 // Accumulators staged by stmatrix (the persistent forward's out tile, epilogue.h; the backward's dK
@@ -391,6 +415,13 @@ int main() {
   failures += CheckForwardOperands<FwdConfig<128, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(128, false), false>>();
   failures += CheckForwardOperands<FwdConfig<256, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(256, false), false>>();
   failures += CheckForwardOperands<FwdConfig<256, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(256, true), true>>();
+  using FwdWide = FwdConfig<128, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(128, false), false,
+                            maxattn::sm90::kWideKeyBlockSize>;
+  failures += CheckForwardOperands<FwdWide>();
+  failures += CheckForwardPRegisters<FwdConfig<64, cutlass::half_t, maxattn::sm90::ForwardVariant(64, false), false>>();
+  failures += CheckForwardPRegisters<FwdConfig<128, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(128, false), false>>();
+  failures += CheckForwardPRegisters<FwdWide>();
+  failures += CheckForwardPRegisters<FwdConfig<256, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(256, true), true>>();
   failures += CheckForwardOutStaging<FwdConfig<64, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(64, false), false>>();
   failures += CheckForwardOutStaging<FwdConfig<128, cutlass::half_t, maxattn::sm90::ForwardVariant(128, true), true>>();
   failures += CheckBackwardDkDvStaging<BwdConfig<128, cutlass::bfloat16_t>>();

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include <cute/arch/mma_sm90_gmma_ext.hpp>  // the 64 x 160 x 16 atoms (FwdScoreAtom)
+#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
@@ -117,6 +119,23 @@ constexpr int KeyBlockSize(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 constexpr int kWideKeyBlockSize = 160;
 constexpr int kQueryBlockSize = 128;
 
+// S = Q K^T's WGMMA atom for one warpgroup's 64 queries against kBlockN keys. CuTe's selector
+// serves N = 160 only under CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (which would widen its choice
+// for every other shape too); without it, it splits a 160-key block into five 64 x 32 atoms per
+// k-step, each reading the Q tile from shared memory again. The wide instance names its atom.
+template <class Element, int kBlockN, int kHeadDim>
+struct FwdScoreAtom {
+  using type = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
+                                                   cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>());
+};
+template <class Element, int kHeadDim>
+struct FwdScoreAtom<Element, kWideKeyBlockSize, kHeadDim> {
+  using type = std::conditional_t<
+      std::is_same_v<Element, cutlass::bfloat16_t>,
+      cute::SM90::GMMA::MMA_64x160x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
+      cute::SM90::GMMA::MMA_64x160x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>>;
+};
+
 // Global tensors seen by TMA: (sequence, head dim, head, batch), head dim contiguous.
 using GmemLayout = cute::Layout<cute::Shape<int32_t, int32_t, int32_t, int32_t>,
                                 cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
@@ -193,10 +212,9 @@ struct FwdConfig {
 
   // Warpgroups tile the M (query) dimension; each runs 64-row atoms.
   using WarpgroupLayout = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
-  using TiledMmaS = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<kBlockM / kConsumerWarpgroups>, BlockN, HeadDim>>(),
-      WarpgroupLayout{}));
+  static_assert(kBlockM / kConsumerWarpgroups == 64, "one 64-row WGMMA atom per warpgroup");
+  using TiledMmaS =
+      decltype(cute::make_tiled_mma(typename FwdScoreAtom<Element, kBlockN, kHeadDim>::type{}, WarpgroupLayout{}));
   // P V's WGMMA atom: P from registers, V read MN-major from shared memory.
   using MmaOAtom = decltype(cute::GMMA::rs_op_selector<
                             Element, Element, float,
