@@ -12,10 +12,12 @@
 #define MAXATTN_SM90_KERNEL_CONFIG_H_
 
 #include <cstdint>
+#include <type_traits>
 
-#include <cute/arch/mma_sm90_gmma_ext.hpp>  // the 64 x 160 x 16 atoms (FwdScoreAtom)
-#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 #include <cute/tensor.hpp>
+// The 64 x 160 x 16 atoms (FwdScoreAtom); after cute/tensor.hpp, which declares what they use.
+#include <cute/arch/mma_sm90_gmma_ext.hpp>
+#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
