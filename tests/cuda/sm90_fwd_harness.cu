@@ -294,6 +294,9 @@ std::vector<Case> AllCases() {
     c.sink = {0.5f, -1.0f};
     add(c);
   }
+  // Head dim 256 runs 80-key blocks: a tail of one key past a whole block, causal across block edges.
+  add({"h256 key tail S=81 mqa", 1, 96, 81, 2, 1, 256, bf});
+  add({"h256 causal br S=240 fp16", 2, 170, 240, 2, 2, 256, DType::kFloat16, true, true});
   add({"h128 gqa 8/2 causal", 2, 384, 384, 8, 2, 128, bf, true});
   add({"h128 mqa 4/1 dense", 1, 130, 260, 4, 1, 128, bf});
   add({"h64 gqa 6/3 causal br", 1, 190, 250, 6, 3, 64, bf, true, true});

@@ -15,7 +15,7 @@
 #include <type_traits>
 
 #include <cute/tensor.hpp>
-// The 64 x 160 x 16 atoms (FwdScoreAtom); after cute/tensor.hpp, which declares what they use.
+// The 64 x 80 and 64 x 160 atoms (FwdScoreAtom); after cute/tensor.hpp, which declares what they use.
 #include <cute/arch/mma_sm90_gmma_ext.hpp>
 #include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 #include <cutlass/arch/barrier.h>
@@ -107,8 +107,11 @@ constexpr bool UsesTileCounter(int head_dim) {
   return IsPersistent(ForwardVariant(head_dim, false)) || IsPersistent(ForwardVariant(head_dim, true));
 }
 
-// Keys per tile for a head dim (the host sizes the segment summaries with it).
-constexpr int KeyBlockSize(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+// Keys per tile for a head dim (the host sizes the segment summaries with it). Head dim 256 takes
+// 80, as FlashAttention-3 does: two K/V stages of 40 KB each still fit next to Q's 64 KB (H = 256
+// stores O from registers), and a tile's fixed work per key block (O rescale, row reductions,
+// pipeline hand-overs) covers 1.25x the keys of 64.
+constexpr int KeyBlockSize(int head_dim) { return head_dim <= 128 ? 128 : 80; }
 // Keys per tile of the head-dim-128 forward instance for calls whose tiles all
 // run unmasked but for the key tail: no causal mask, window, segment ids or soft
 // cap (UsesWideKeyBlocks, sm90_attention.cu). A tile's fixed work per key block
@@ -122,21 +125,34 @@ constexpr int kWideKeyBlockSize = 160;
 constexpr int kQueryBlockSize = 128;
 
 // S = Q K^T's WGMMA atom for one warpgroup's 64 queries against kBlockN keys. CuTe's selector
-// serves N = 160 only under CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (which would widen its choice
-// for every other shape too); without it, it splits a 160-key block into five 64 x 32 atoms per
-// k-step, each reading the Q tile from shared memory again. The wide instance names its atom.
+// serves N = 80 and 160 only under CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (which would widen its
+// choice for every other shape too); without it, it splits such a block into 64 x 16 or 64 x 32
+// atoms, each reading the Q tile from shared memory again. Those two widths name their atoms.
+template <class Element, int kBlockN>
+struct NamedScoreAtom;
+template <class Element>
+struct NamedScoreAtom<Element, 80> {
+  using type = std::conditional_t<
+      std::is_same_v<Element, cutlass::bfloat16_t>,
+      cute::SM90::GMMA::MMA_64x80x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
+      cute::SM90::GMMA::MMA_64x80x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>>;
+};
+template <class Element>
+struct NamedScoreAtom<Element, 160> {
+  using type = std::conditional_t<
+      std::is_same_v<Element, cutlass::bfloat16_t>,
+      cute::SM90::GMMA::MMA_64x160x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
+      cute::SM90::GMMA::MMA_64x160x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>>;
+};
 template <class Element, int kBlockN, int kHeadDim>
 struct FwdScoreAtom {
   using type = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
                                                    cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>());
 };
 template <class Element, int kHeadDim>
-struct FwdScoreAtom<Element, kWideKeyBlockSize, kHeadDim> {
-  using type = std::conditional_t<
-      std::is_same_v<Element, cutlass::bfloat16_t>,
-      cute::SM90::GMMA::MMA_64x160x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
-      cute::SM90::GMMA::MMA_64x160x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>>;
-};
+struct FwdScoreAtom<Element, 80, kHeadDim> : NamedScoreAtom<Element, 80> {};
+template <class Element, int kHeadDim>
+struct FwdScoreAtom<Element, 160, kHeadDim> : NamedScoreAtom<Element, 160> {};
 
 // Global tensors seen by TMA: (sequence, head dim, head, batch), head dim contiguous.
 using GmemLayout = cute::Layout<cute::Shape<int32_t, int32_t, int32_t, int32_t>,
