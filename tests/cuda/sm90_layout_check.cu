@@ -17,8 +17,9 @@
 // Also: the persistent forward's tile sequence is a bijection onto the tiles,
 // longest first within each L2 section (tile_scheduler.h), and its out tile
 // (epilogue.h) and the backward's dK and dV (bwd_epilogue.h) are staged by
-// stmatrix at the accumulator's coordinates, and the forward's P V reads P from the S accumulator's
-// registers in their order (at every key block width, 160 included).
+// stmatrix at the accumulator's coordinates, the forward's P V reads P from the S accumulator's
+// registers in their order (at every key block width), and the forward's per-query-block mask
+// decision (BlockMask::UnmaskedKeyBlocks) agrees with the per-tile one (TileNeedsMask).
 // Exit code 1 on any mismatch.
 #include <cstdio>
 #include <vector>
@@ -28,6 +29,7 @@
 #include "maxattn/sm90/bwd_config.h"
 #include "maxattn/sm90/bwd_config_wide.h"
 #include "maxattn/sm90/kernel_config.h"
+#include "maxattn/sm90/mask.h"
 #include "maxattn/sm90/tile_scheduler.h"
 
 namespace {
@@ -397,6 +399,50 @@ int CheckBackwardTileOrder() {
   return failures;
 }
 
+// The forward decides per key block whether to mask by the range UnmaskedKeyBlocks solves once per
+// query block; the backward by TileNeedsMask per tile (mask.h). Without segment ids the two must
+// agree on every tile: checked over lengths, both causal alignments and windows.
+template <int kBlockM, int kBlockN>
+int CheckUnmaskedKeyBlocks() {
+  const maxattn::sm90::ProblemArgs args{};
+  int mismatches = 0, cases = 0;
+  const int lengths[] = {1, 63, 128, 129, 300, 512};
+  const int windows[] = {-1, 0, 5, 100, 257};
+  for (int q : lengths) {
+    for (int kv : lengths) {
+      for (int mode = 0; mode < 3; ++mode) {  // no causal mask, causal top-left, causal bottom-right
+        for (int wl : windows) {
+          for (int wr : windows) {
+            maxattn::sm90::BlockMask m;
+            m.q_valid = q;
+            m.kv_valid = kv;
+            m.causal = mode > 0;
+            m.diag = mode == 2 ? kv - q : 0;
+            m.window_left = wl;
+            m.window_right = wr;
+            for (int m0 = 0; m0 < q; m0 += kBlockM) {
+              int lo = 0, hi = 0;
+              m.UnmaskedKeyBlocks<kBlockM, kBlockN>(m0, &lo, &hi);
+              for (int nb = 0; nb * kBlockN < kv; ++nb) {
+                ++cases;
+                const bool clear = nb >= lo && nb < hi;
+                if (clear != m.TileNeedsMask<kBlockM, kBlockN>(args, m0, nb * kBlockN)) continue;
+                if (mismatches++ < 5) {
+                  std::printf("  q %d kv %d mode %d wl %d wr %d m0 %d nb %d: range [%d, %d)\n", q, kv, mode, wl, wr,
+                              m0, nb, lo, hi);
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  std::printf("mask decision, %d x %d tiles: UnmaskedKeyBlocks = TileNeedsMask on %d tiles: %s\n", kBlockM,
+              kBlockN, cases, mismatches == 0 ? "ok" : "FAILED");
+  return mismatches;
+}
+
 }  // namespace
 
 int main() {
@@ -428,5 +474,8 @@ int main() {
   failures += CheckBackwardDkDvStaging<BwdConfig<64, cutlass::half_t, true>>();
   failures += CheckForwardTileOrder();
   failures += CheckBackwardTileOrder();
+  failures += CheckUnmaskedKeyBlocks<128, 128>();
+  failures += CheckUnmaskedKeyBlocks<128, 160>();
+  failures += CheckUnmaskedKeyBlocks<128, 64>();
   return failures == 0 ? 0 : 1;
 }

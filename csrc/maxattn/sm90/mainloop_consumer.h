@@ -97,6 +97,13 @@ struct ConsumerMainloop {
           softmax.template Update<false>(s_rc, correction);
         }
       };
+      // Which key blocks need the mask, decided by two compares per block (and the segment
+      // summaries, with segment ids) rather than by TileNeedsMask's four rules.
+      int clear_lo, clear_hi;
+      mask.template UnmaskedKeyBlocks<kBlockM, kBlockN>(m0, &clear_lo, &clear_hi);
+      auto needs_mask = [&](int nb) {
+        return nb < clear_lo || nb >= clear_hi || mask.template SegmentsNeedMask<kBlockN>(args, nb);
+      };
       if constexpr (kVariant == kPlain) {
         // Plain order: S, softmax, PV, one block at a time.
         for (int nb = n_hi - 1; nb >= n_lo; --nb) {
@@ -106,7 +113,7 @@ struct ConsumerMainloop {
           warpgroup_fence_operand(tSrS);
           pipe_k.consumer_release(state_k);
           const int n0 = nb * kBlockN;
-          mask_and_update(mask.template TileNeedsMask<kBlockM, kBlockN>(args, m0, n0), n0);
+          mask_and_update(needs_mask(nb), n0);
           softmax.Rescale(o_rc, correction);
           ConvertFragment(tSrS, tOrP, convert);
           pipe_v.consumer_wait(state_v);
@@ -139,7 +146,7 @@ struct ConsumerMainloop {
         IssueGemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, state_k.index()), tSrS);
         if constexpr (kTurns) NamedBarrierArrive(3 - wg, Config::kConsumerThreads);
         // Decided while the GEMM runs (with segment ids it reads a summary).
-        bool need_mask = mask.template TileNeedsMask<kBlockM, kBlockN>(args, m0, nb * kBlockN);
+        bool need_mask = needs_mask(nb);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
         pipe_k.consumer_release(state_k);
@@ -154,7 +161,7 @@ struct ConsumerMainloop {
           IssueGemm<false, true>(mma_o, tOrP, tOrV(_, _, _, state_v.index()), tOrO);
           if constexpr (kTurns) NamedBarrierArrive(3 - wg, Config::kConsumerThreads);
           const int n0 = nb * kBlockN;
-          need_mask = mask.template TileNeedsMask<kBlockM, kBlockN>(args, m0, n0);
+          need_mask = needs_mask(nb);
           warpgroup_wait<1>();
           warpgroup_fence_operand(tSrS);
           pipe_k.consumer_release(state_k);

@@ -26,7 +26,7 @@
 
 namespace maxattn::sm90 {
 
-__device__ __forceinline__ int FloorDiv(int a, int b) {  // b > 0
+__host__ __device__ __forceinline__ int FloorDiv(int a, int b) {  // b > 0
   return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
 
@@ -123,18 +123,39 @@ struct BlockMask {
 
   // True when some entry of the (m0, n0) tile must be masked element-wise.
   template <int kBlockM, int kBlockN>
-  __device__ bool TileNeedsMask(const ProblemArgs& args, int m0, int n0) const {
+  __host__ __device__ bool TileNeedsMask(const ProblemArgs& args, int m0, int n0) const {
     const int i_max = m0 + kBlockM - 1;
     const int j_max = n0 + kBlockN - 1;
     bool need = j_max >= kv_valid;
     if (causal) need |= j_max > m0 + diag;
     if (window_left >= 0) need |= n0 < i_max + diag - window_left;
     if (window_right >= 0) need |= j_max > m0 + diag + window_right;
-    if (segments) {
-      const int key_uniform = args.key_blocks[static_cast<int64_t>(batch) * args.num_n_blocks + n0 / kBlockN].uniform;
-      need |= q_block.uniform == 0 || key_uniform != q_block.uniform;
+    return need || SegmentsNeedMask<kBlockN>(args, n0 / kBlockN);
+  }
+
+  // TileNeedsMask's tests but segment ids', solved for the key block once per query block: the
+  // key blocks [lo, hi) of the query block at m0 are masked by nothing else, so the forward's
+  // walk decides a block by two compares (sm90_layout_check compares the two forms).
+  template <int kBlockM, int kBlockN>
+  __host__ __device__ void UnmaskedKeyBlocks(int m0, int* lo, int* hi) const {
+    int j_last = kv_valid - 1;  // the last key that no rule hides from a row of the block
+    if (causal) j_last = j_last < m0 + diag ? j_last : m0 + diag;
+    if (window_right >= 0) j_last = j_last < m0 + diag + window_right ? j_last : m0 + diag + window_right;
+    *hi = FloorDiv(j_last + 1, kBlockN);  // (nb + 1) * kBlockN - 1 <= j_last
+    *lo = 0;
+    if (window_left >= 0) {
+      const int j_first = m0 + kBlockM - 1 + diag - window_left;  // the first key every row sees
+      if (j_first > 0) *lo = (j_first + kBlockN - 1) / kBlockN;  // nb * kBlockN >= j_first
     }
-    return need;
+  }
+
+  // With segment ids: whether key block n_block of the row is not one id on both sides (the
+  // pre-pass summaries, segments.h). False without them.
+  template <int kBlockN>
+  __host__ __device__ bool SegmentsNeedMask(const ProblemArgs& args, int n_block) const {
+    if (!segments) return false;
+    const int key_uniform = args.key_blocks[static_cast<int64_t>(batch) * args.num_n_blocks + n_block].uniform;
+    return q_block.uniform == 0 || key_uniform != q_block.uniform;
   }
 
   // Sets invisible entries of a (row, col) view of the S accumulator to -inf.
