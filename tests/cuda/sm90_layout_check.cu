@@ -477,5 +477,6 @@ int main() {
   failures += CheckUnmaskedKeyBlocks<128, 128>();
   failures += CheckUnmaskedKeyBlocks<128, 160>();
   failures += CheckUnmaskedKeyBlocks<128, 64>();
+  failures += CheckUnmaskedKeyBlocks<128, 80>();
   return failures == 0 ? 0 : 1;
 }
