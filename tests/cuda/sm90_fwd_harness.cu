@@ -284,11 +284,11 @@ std::vector<Case> AllCases() {
   add({"h128 causal tl T>S", 1, 333, 200, 2, 2, 128, bf, true, false});
   add({"h128 causal br T>S (masked rows)", 1, 333, 200, 2, 2, 128, bf, true, true});
   add({"h128 dense T!=S odd", 2, 77, 515, 3, 3, 128, bf});
-  // Dense head-dim-128 calls run 160-key blocks (kWideKeyBlockSize): a tail of one key, and whole blocks.
-  add({"h128 dense wide tail S=161", 2, 100, 161, 2, 2, 128, bf});
-  add({"h128 dense wide S=480 mqa", 1, 130, 480, 2, 1, 128, DType::kFloat16});
+  // Dense key tails: one key past a whole block, several blocks, NaN and spike rows with sinks.
+  add({"h128 dense key tail S=161", 2, 100, 161, 2, 2, 128, bf});
+  add({"h128 dense S=480 mqa", 1, 130, 480, 2, 1, 128, DType::kFloat16});
   {
-    Case c{"h128 dense wide nan spike sinks", 2, 200, 330, 2, 2, 128, bf};
+    Case c{"h128 dense nan spike sinks", 2, 200, 330, 2, 2, 128, bf};
     c.nan = true;
     c.spike = true;
     c.sink = {0.5f, -1.0f};

@@ -2,7 +2,5 @@
 // so the instances compile in parallel).
 #include "maxattn/sm90/fwd_kernel.h"
 
-MAXATTN_SM90_INSTANTIATE_FORWARD(256, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(256, true), true,
-                                 maxattn::sm90::KeyBlockSize(256));
-MAXATTN_SM90_INSTANTIATE_FORWARD(256, cutlass::half_t, maxattn::sm90::ForwardVariant(256, true), true,
-                                 maxattn::sm90::KeyBlockSize(256));
+MAXATTN_SM90_INSTANTIATE_FORWARD(256, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(256, true), true);
+MAXATTN_SM90_INSTANTIATE_FORWARD(256, cutlass::half_t, maxattn::sm90::ForwardVariant(256, true), true);

@@ -2,7 +2,5 @@
 // instances compile in parallel).
 #include "maxattn/sm90/fwd_kernel.h"
 
-MAXATTN_SM90_INSTANTIATE_FORWARD(64, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(64, false), false,
-                                 maxattn::sm90::KeyBlockSize(64));
-MAXATTN_SM90_INSTANTIATE_FORWARD(64, cutlass::half_t, maxattn::sm90::ForwardVariant(64, false), false,
-                                 maxattn::sm90::KeyBlockSize(64));
+MAXATTN_SM90_INSTANTIATE_FORWARD(64, cutlass::bfloat16_t, maxattn::sm90::ForwardVariant(64, false), false);
+MAXATTN_SM90_INSTANTIATE_FORWARD(64, cutlass::half_t, maxattn::sm90::ForwardVariant(64, false), false);

@@ -139,10 +139,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
 #endif
 }
 
-template <int kHeadDim, class Element, int kVariant, bool kSoftcap, int kBlockN>
+template <int kHeadDim, class Element, int kVariant, bool kSoftcap>
 Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const void* v, cudaStream_t stream) {
   using namespace cute;
-  using Config = FwdConfig<kHeadDim, Element, kVariant, kSoftcap, kBlockN>;
+  using Config = FwdConfig<kHeadDim, Element, kVariant, kSoftcap>;
   auto gmem = [](const void* ptr, int len, int heads, int batch) {
     return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), MakeGmemLayout(len, kHeadDim, heads, batch));
   };
@@ -185,8 +185,8 @@ Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const vo
 
 }  // namespace maxattn::sm90
 
-#define MAXATTN_SM90_INSTANTIATE_FORWARD(H, ELEMENT, VARIANT, SOFTCAP, BLOCK_N)                   \
-  template ::maxattn::Status maxattn::sm90::LaunchForward<H, ELEMENT, VARIANT, SOFTCAP, BLOCK_N>(      \
+#define MAXATTN_SM90_INSTANTIATE_FORWARD(H, ELEMENT, VARIANT, SOFTCAP)                        \
+  template ::maxattn::Status maxattn::sm90::LaunchForward<H, ELEMENT, VARIANT, SOFTCAP>(         \
       const FwdArgs&, const void*, const void*, const void*, cudaStream_t)
 
 #endif  // MAXATTN_SM90_FWD_KERNEL_H_

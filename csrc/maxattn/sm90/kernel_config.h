@@ -15,7 +15,7 @@
 #include <type_traits>
 
 #include <cute/tensor.hpp>
-// The 64 x 80 and 64 x 160 atoms (FwdScoreAtom); after cute/tensor.hpp, which declares what they use.
+// The 64 x 80 atom (FwdScoreAtom); after cute/tensor.hpp, which declares what they use.
 #include <cute/arch/mma_sm90_gmma_ext.hpp>
 #include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 #include <cutlass/arch/barrier.h>
@@ -112,22 +112,12 @@ constexpr bool UsesTileCounter(int head_dim) {
 // stores O from registers), and a tile's fixed work per key block (O rescale, row reductions,
 // pipeline hand-overs) covers 1.25x the keys of 64.
 constexpr int KeyBlockSize(int head_dim) { return head_dim <= 128 ? 128 : 80; }
-// Keys per tile of the head-dim-128 forward instance for calls whose tiles all
-// run unmasked but for the key tail: no causal mask, window, segment ids or soft
-// cap (UsesWideKeyBlocks, sm90_attention.cu). A tile's fixed work per key block
-// (the O rescale, the row reductions' shuffles, the pipeline hand-overs, the
-// mask decision) is spread over 160 keys instead of 128: 12.8 key blocks per
-// tile instead of 16 at S = 2048. 160 is the widest that fits two K/V stages of
-// 40 KB each next to Q and the out staging (32 KB each); FlashAttention-3 picks
-// 176 for this case, with its out staging sharing V's memory. Causal calls keep
-// 128: a wider block puts more masked entries on the diagonal.
-constexpr int kWideKeyBlockSize = 160;
 constexpr int kQueryBlockSize = 128;
 
 // S = Q K^T's WGMMA atom for one warpgroup's 64 queries against kBlockN keys. CuTe's selector
-// serves N = 80 and 160 only under CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (which would widen its
-// choice for every other shape too); without it, it splits such a block into 64 x 16 or 64 x 32
-// atoms, each reading the Q tile from shared memory again. Those two widths name their atoms.
+// serves N = 80 only under CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (which would widen its choice
+// for every other shape too); without it, it splits such a block into 64 x 16 atoms, each reading
+// the Q tile from shared memory again. That width names its atom.
 template <class Element, int kBlockN>
 struct NamedScoreAtom;
 template <class Element>
@@ -137,13 +127,6 @@ struct NamedScoreAtom<Element, 80> {
       cute::SM90::GMMA::MMA_64x80x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
       cute::SM90::GMMA::MMA_64x80x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>>;
 };
-template <class Element>
-struct NamedScoreAtom<Element, 160> {
-  using type = std::conditional_t<
-      std::is_same_v<Element, cutlass::bfloat16_t>,
-      cute::SM90::GMMA::MMA_64x160x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
-      cute::SM90::GMMA::MMA_64x160x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>>;
-};
 template <class Element, int kBlockN, int kHeadDim>
 struct FwdScoreAtom {
   using type = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
@@ -151,8 +134,6 @@ struct FwdScoreAtom {
 };
 template <class Element, int kHeadDim>
 struct FwdScoreAtom<Element, 80, kHeadDim> : NamedScoreAtom<Element, 80> {};
-template <class Element, int kHeadDim>
-struct FwdScoreAtom<Element, 160, kHeadDim> : NamedScoreAtom<Element, 160> {};
 
 // Global tensors seen by TMA: (sequence, head dim, head, batch), head dim contiguous.
 using GmemLayout = cute::Layout<cute::Shape<int32_t, int32_t, int32_t, int32_t>,
@@ -198,8 +179,7 @@ struct TileSlot {
 // kSoftcap_: the logit soft cap's softmax (softmax.h). Its own instance, so
 // that the plain kernel keeps its registers (one kernel with both loops
 // spilled at H=128).
-template <int kHeadDim_, class Element_, int kVariant_ = kOverlap, bool kSoftcap_ = false,
-          int kBlockN_ = KeyBlockSize(kHeadDim_)>
+template <int kHeadDim_, class Element_, int kVariant_ = kOverlap, bool kSoftcap_ = false>
 struct FwdConfig {
   using Element = Element_;
   static constexpr int kVariant = kVariant_;
@@ -213,9 +193,7 @@ struct FwdConfig {
   static constexpr int kExp2Poly = ForwardExp2Poly(kHeadDim, kSoftcap);
 
   static constexpr int kBlockM = kQueryBlockSize;
-  static constexpr int kBlockN = kBlockN_;
-  static_assert(kBlockN == KeyBlockSize(kHeadDim) || (kHeadDim == 128 && kBlockN == kWideKeyBlockSize),
-                "key blocks: KeyBlockSize, or kWideKeyBlockSize at head dim 128");
+  static constexpr int kBlockN = KeyBlockSize(kHeadDim);
   static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;

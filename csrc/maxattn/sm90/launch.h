@@ -12,8 +12,7 @@
 
 namespace maxattn::sm90 {
 
-// kBlockN: keys per tile, KeyBlockSize(kHeadDim) or kWideKeyBlockSize (kernel_config.h).
-template <int kHeadDim, class Element, int kVariant, bool kSoftcap, int kBlockN>
+template <int kHeadDim, class Element, int kVariant, bool kSoftcap>
 Status LaunchForward(const FwdArgs& args, const void* q, const void* k, const void* v, cudaStream_t stream);
 
 // The main backward kernel (the pre- and post-passes are bwd_prepost.h's).

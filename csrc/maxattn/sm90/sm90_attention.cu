@@ -1,8 +1,7 @@
 // maxattn sm90: argument checks, the run-time dispatch over the forward's kernel
-// instances (head dim x dtype x soft cap, and at head dim 128 the 160-key blocks
-// for calls without a mask or cap; the consumer-loop variant per head dim is the
-// one measured and tested on the GPU, see NOTES.md), the segment-id pre-pass and
-// the degenerate cases.
+// instances (head dim x dtype x soft cap; the consumer-loop variant per head dim is
+// the one measured and tested on the GPU, see NOTES.md), the segment-id pre-pass
+// and the degenerate cases.
 #include "maxattn/sm90/sm90_attention.h"
 
 #include <cuda_runtime.h>
@@ -44,46 +43,24 @@ Status FillEmptyLse(float* lse, const float* sink, int64_t B, int64_t N, int64_t
   return CudaStatus(cudaGetLastError(), "sink lse fill kernel launch");
 }
 
-// Whether a call takes the head-dim-128 instance with kWideKeyBlockSize keys per
-// block (kernel_config.h): every key block but the tail runs unmasked, so no
-// causal mask, window, segment ids or soft cap (padding lengths and sinks are fine).
-bool UsesWideKeyBlocks(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs) {
-  return shape.head_dim == 128 && !options.causal && options.window_left < 0 && options.window_right < 0 &&
-         inputs.q_segment_ids == nullptr && !(options.softcap > 0.0f);
-}
-
-// Keys per block of the instance a call runs (the host sizes the tile ranges and
-// segment summaries with it).
-int ForwardKeyBlockSize(const AttentionShape& shape, const AttentionOptions& options, const AttentionInputs& inputs) {
-  return UsesWideKeyBlocks(shape, options, inputs) ? sm90::kWideKeyBlockSize
-                                                   : sm90::KeyBlockSize(static_cast<int>(shape.head_dim));
-}
-
-// The instance for one head dim, soft cap and key block size, in the input's element
-// type; its loop is ForwardVariant's choice (kernel_config.h).
-template <int kHeadDim, bool kSoftcap, int kBlockN = sm90::KeyBlockSize(kHeadDim)>
+// The instance for one head dim and soft cap, in the input's element type; its loop is
+// ForwardVariant's choice (kernel_config.h).
+template <int kHeadDim, bool kSoftcap>
 Status LaunchInstance(bool bf16, const sm90::FwdArgs& args, const AttentionInputs& inputs, cudaStream_t stream) {
   constexpr int kVariant = sm90::ForwardVariant(kHeadDim, kSoftcap);
-  return bf16 ? sm90::LaunchForward<kHeadDim, cutlass::bfloat16_t, kVariant, kSoftcap, kBlockN>(
-                    args, inputs.q, inputs.k, inputs.v, stream)
-              : sm90::LaunchForward<kHeadDim, cutlass::half_t, kVariant, kSoftcap, kBlockN>(
-                    args, inputs.q, inputs.k, inputs.v, stream);
+  return bf16 ? sm90::LaunchForward<kHeadDim, cutlass::bfloat16_t, kVariant, kSoftcap>(args, inputs.q, inputs.k,
+                                                                                     inputs.v, stream)
+              : sm90::LaunchForward<kHeadDim, cutlass::half_t, kVariant, kSoftcap>(args, inputs.q, inputs.k,
+                                                                                 inputs.v, stream);
 }
 
-// args.block_n is ForwardKeyBlockSize's choice.
 template <bool kSoftcap>
 Status DispatchHeadDim(const AttentionShape& shape, const sm90::FwdArgs& args, const AttentionInputs& inputs,
                        cudaStream_t stream) {
   const bool bf16 = inputs.dtype == DType::kBFloat16;
   switch (shape.head_dim) {
     case 64: return LaunchInstance<64, kSoftcap>(bf16, args, inputs, stream);
-    case 128:
-      if constexpr (!kSoftcap) {
-        if (args.block_n == sm90::kWideKeyBlockSize) {
-          return LaunchInstance<128, false, sm90::kWideKeyBlockSize>(bf16, args, inputs, stream);
-        }
-      }
-      return LaunchInstance<128, kSoftcap>(bf16, args, inputs, stream);
+    case 128: return LaunchInstance<128, kSoftcap>(bf16, args, inputs, stream);
     case 256: return LaunchInstance<256, kSoftcap>(bf16, args, inputs, stream);
     default:
       return Status::Internal("sm90 attention: no kernel for head_dim " + std::to_string(shape.head_dim));
@@ -120,8 +97,8 @@ Status ForwardImpl(const AttentionShape& shape, const AttentionOptions& options,
   }
 
   sm90::FwdArgs args;
-  static_cast<sm90::ProblemArgs&>(args) = sm90::MakeProblemArgs(shape, options, inputs, sm90::kQueryBlockSize,
-                                                                ForwardKeyBlockSize(shape, options, inputs));
+  static_cast<sm90::ProblemArgs&>(args) = sm90::MakeProblemArgs(
+      shape, options, inputs, sm90::kQueryBlockSize, sm90::KeyBlockSize(static_cast<int>(shape.head_dim)));
   args.out = outputs.out;
   args.lse = outputs.lse;
   args.max_logit = outputs.max_logit;
