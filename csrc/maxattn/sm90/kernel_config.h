@@ -15,7 +15,7 @@
 #include <type_traits>
 
 #include <cute/tensor.hpp>
-// The 64 x 80 atom (FwdScoreAtom); after cute/tensor.hpp, which declares what they use.
+// The 64 x 80 atom (FwdScoreAtom); after cute/tensor.hpp, which declares what these headers use.
 #include <cute/arch/mma_sm90_gmma_ext.hpp>
 #include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 #include <cutlass/arch/barrier.h>
@@ -114,26 +114,22 @@ constexpr bool UsesTileCounter(int head_dim) {
 constexpr int KeyBlockSize(int head_dim) { return head_dim <= 128 ? 128 : 80; }
 constexpr int kQueryBlockSize = 128;
 
-// S = Q K^T's WGMMA atom for one warpgroup's 64 queries against kBlockN keys. CuTe's selector
-// serves N = 80 only under CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (which would widen its choice
-// for every other shape too); without it, it splits such a block into 64 x 16 atoms, each reading
-// the Q tile from shared memory again. That width names its atom.
-template <class Element, int kBlockN>
-struct NamedScoreAtom;
-template <class Element>
-struct NamedScoreAtom<Element, 80> {
-  using type = std::conditional_t<
-      std::is_same_v<Element, cutlass::bfloat16_t>,
-      cute::SM90::GMMA::MMA_64x80x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
-      cute::SM90::GMMA::MMA_64x80x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>>;
-};
+// S = Q K^T's WGMMA atom for one warpgroup's 64 queries against kBlockN keys: CuTe's selector,
+// except at 80 keys (head dim 256), which it serves only under CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+// (which would widen its choice for every other shape too); without it, it splits such a block
+// into 64 x 16 atoms, each reading the Q tile from shared memory again. So 80 names its atom.
 template <class Element, int kBlockN, int kHeadDim>
 struct FwdScoreAtom {
   using type = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
                                                    cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>());
 };
 template <class Element, int kHeadDim>
-struct FwdScoreAtom<Element, 80, kHeadDim> : NamedScoreAtom<Element, 80> {};
+struct FwdScoreAtom<Element, 80, kHeadDim> {
+  using type = std::conditional_t<
+      std::is_same_v<Element, cutlass::bfloat16_t>,
+      cute::SM90::GMMA::MMA_64x80x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
+      cute::SM90::GMMA::MMA_64x80x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>>;
+};
 
 // Global tensors seen by TMA: (sequence, head dim, head, batch), head dim contiguous.
 using GmemLayout = cute::Layout<cute::Shape<int32_t, int32_t, int32_t, int32_t>,
