@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import maxattn
+import trace_time
 
 ROWS = [  # (B, T, N, K, H, causal)
     (4, 2048, 32, 32, 128, True),
@@ -82,26 +83,15 @@ def _reason(e: BaseException) -> str:
 # timing
 
 
-def _sample(fn, args, calls, settle_s=0.0):
-    # Settle: run the variant untimed first, so that the GPU's clock has adapted to it. On the H200
-    # both our kernels and FA3's run at the 700 W power cap, where the SM clock follows the load
-    # within ~0.1 s: without this, a variant timed right after a lighter one runs its first calls at
-    # boost clock (12% faster in a 2026-12-06 probe), and since the interleaving keeps the cyclic
-    # order of the groups, the same variant would get that head start in every repetition.
-    t_settle = time.perf_counter() + settle_s
-    while time.perf_counter() < t_settle:
-        out = fn(*args)
-        jax.block_until_ready(out)
-    start = time.perf_counter()
-    for _ in range(calls):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / calls
-
-
 def _run(variants, groups, calls, reps, warmup, settle_s=0.0):
     """variants: name -> (jitted fn, args). Compiles (first call) each, then times the interleaved
-    repetitions. Returns (samples name -> [s], compile_s name -> s, errors name -> reason)."""
+    repetitions by the wall clock (trace_time.interleaved: the groups rotate, each group's order
+    reverses every other repetition). Settle: each sample first runs its variant untimed for
+    settle_s. On the H200 both our kernels and FA3's run at the 700 W power cap, where the SM clock
+    follows the load within ~0.1 s: without this, a variant timed right after a lighter one runs its
+    first calls at boost clock (12% faster in a 2026-12-06 probe), and since the rotation keeps the
+    cyclic order of the groups, the same variant would get that head start in every repetition.
+    Returns (samples name -> [s], compile_s name -> s, errors name -> reason)."""
     compile_s, errors = {}, {}
     for name, (fn, args) in variants.items():
         t = time.perf_counter()
@@ -111,18 +101,10 @@ def _run(variants, groups, calls, reps, warmup, settle_s=0.0):
             errors[name] = _reason(e)
             continue
         compile_s[name] = time.perf_counter() - t
-    groups = [[n for n in g if n in variants and n not in errors] for g in groups]
-    groups = [g for g in groups if g]
-    samples = {n: [] for g in groups for n in g}
-    for r in range(warmup + reps):
-        k = r % len(groups) if groups else 0
-        for g in groups[k:] + groups[:k]:
-            for name in (g if r % 2 == 0 else g[::-1]):
-                fn, args = variants[name]
-                t = _sample(fn, args, calls, settle_s)
-                if r >= warmup:
-                    samples[name].append(t)
-    return samples, compile_s, errors
+    calls_of = {n: (lambda fn=fn, args=args: fn(*args)) for n, (fn, args) in variants.items() if n not in errors}
+    timed, _ = trace_time.interleaved(calls_of, calls, reps, warmup=warmup, trace=False, groups=groups,
+                                      settle_s=settle_s)
+    return {n: [s.seconds for s in runs] for n, runs in timed.items()}, compile_s, errors
 
 
 def _stats(samples):

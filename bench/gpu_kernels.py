@@ -31,6 +31,7 @@ speed rather than serialised, so the sums are the same device time without ncu's
 Usage (on the GPU machine):
     python bench/gpu_kernels.py [--impl cudnn|sm90] [--calls 5] [--shapes 0,1] [--fa3] [--bwd [--deterministic]]
                                 [--variants fwd,fwd+cap50,...] [--trace [--reps 5]] [--json out.json]
+    python bench/gpu_kernels.py --run VARIANT SHAPE CALLS IMPL   # just the calls, e.g. under ncu_hotspots.py
 """
 
 from __future__ import annotations
@@ -148,8 +149,9 @@ def _profile(variant: str, shape_index: int, calls: int, impl: str) -> dict:
 
 def _trace_row(variants: list[str], shape_index: int, calls: int, impl: str, reps: int) -> dict:
     """--trace: every variant in this process, --reps interleaved samples of `calls` calls each
-    under the JAX profiler. A variant's row is its median sample (device time per call) with the
-    kernel breakdown of all samples; a variant that fails to run gets its error."""
+    under the JAX profiler (trace_time.interleaved). A variant's row is its median sample (device
+    time per call) with the kernel breakdown of all samples; a variant that fails to run gets its
+    error."""
     import jax
 
     import trace_time
@@ -160,37 +162,33 @@ def _trace_row(variants: list[str], shape_index: int, calls: int, impl: str, rep
             fn, inputs = _build(v, shape_index, impl)
             for _ in range(3):
                 jax.block_until_ready(fn(*inputs))
-            built[v] = (fn, inputs)
+            built[v] = lambda fn=fn, inputs=inputs: fn(*inputs)
         except Exception as e:  # a refusal (no Hopper GPU, FA3 not installed, ...)
             row[v] = {"error": f"{type(e).__name__}: {e}"}
-    samples: dict[str, list[list[tuple[str, float]]]] = {v: [] for v in built}
-    for r in range(reps):
-        for v in list(built) if r % 2 == 0 else list(built)[::-1]:
-            fn, inputs = built[v]
-            with trace_time.kernels() as traced:
-                out = None
-                for _ in range(calls):
-                    out = fn(*inputs)
-                jax.block_until_ready(out)
-            if not traced.kernels:
-                row[v] = {"error": f"no GPU kernels in the profile; its planes: {traced.layout}"}
-                del built[v]
-                continue
-            samples[v].append(traced.kernels)
+    samples, errors = trace_time.interleaved(built, calls, reps)
+    row.update({v: {"error": why} for v, why in errors.items()})
     for v, runs in samples.items():
-        if v in row or not runs:
-            continue
-        summary = _summary([kn for run in runs for kn in run], calls * len(runs))
-        per_sample = [sum(ns for _, ns in run) / calls / 1e3 for run in runs]
+        summary = _summary([kn for run in runs for kn in run.kernels], calls * len(runs))
+        per_sample = [run.seconds * 1e6 for run in runs]
         summary["us_per_call"] = statistics.median(per_sample)
         summary["spread_pct"] = (max(per_sample) - min(per_sample)) / summary["us_per_call"] * 100
         row[v] = summary
     return {v: row[v] for v in variants}
 
 
+def _run(variant: str, shape_index: int, calls: int, impl: str) -> None:
+    """--run: the variant's calls with no profiler range, for a profiler that picks kernels by name and
+    launch count (bench/ncu_hotspots.py -- python bench/gpu_kernels.py --run fa3 0 5 sm90)."""
+    import jax
+
+    fn, inputs = _build(variant, shape_index, impl)
+    for _ in range(3 + calls):
+        jax.block_until_ready(fn(*inputs))
+
+
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    if len(sys.argv) > 1 and sys.argv[1] in ("--child", "--run"):
+        (_child if sys.argv[1] == "--child" else _run)(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=5)

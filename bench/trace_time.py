@@ -10,6 +10,9 @@ same kernels through CUPTI's activity API at full speed, in the benchmark's own 
         jax.block_until_ready(out)
     k.total_ns / calls        # device ns per step: the sum of the kernels' durations
 
+`interleaved` times several variants in interleaved samples, by that pattern or by the wall clock: it
+is the sampling loop of bench/gpu.py, bench/gpu_kernels.py --trace and bench/train_step.py.
+
 Each kernel's duration is its own start-to-end time on the GPU (launch gaps excluded, as with ncu);
 memsets and copies are not kernels and are not counted. Kernels that overlap on different streams
 would each count in full (XLA runs a step on one compute stream).
@@ -22,7 +25,8 @@ import dataclasses
 import glob
 import os
 import tempfile
-from typing import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import jax
 from jax.profiler import ProfileData
@@ -77,3 +81,58 @@ def kernels() -> Iterator[Kernels]:
             return
         parsed = parse(ProfileData.from_file(max(files, key=os.path.getmtime)))
         result.kernels, result.layout = parsed.kernels, parsed.layout
+
+
+@dataclasses.dataclass
+class Sample:
+    """One timed block of a variant: `calls` calls, then one block_until_ready."""
+
+    seconds: float  # per call: the block's kernels' device time when traced, else the wall clock
+    kernels: list[tuple[str, float]]  # (name, ns) of the block's GPU kernels; empty when not traced
+
+
+def interleaved(variants: dict[str, Callable[[], object]], calls: int, reps: int, *, warmup: int = 0,
+                trace: bool = True, groups: list[list[str]] | None = None,
+                settle_s: float = 0.0) -> tuple[dict[str, list[Sample]], dict[str, str]]:
+    """Times `warmup + reps` blocks of `calls` calls of each variant (a callable that runs one call
+    and returns its result), the variants interleaved; the first `warmup` repetitions are run and
+    dropped. The order changes every repetition so that no variant always runs right after the same
+    one (on a power-capped GPU the clock follows the load that came before): the `groups` (lists of
+    names; default one group of all, in the dict's order) rotate by one, and each group's own order
+    is reversed on odd repetitions. `settle_s`: each block is preceded by that many seconds of
+    untimed calls of the same variant, so that the clock has adapted to it.
+
+    With `trace` a block's time is the device time of its GPU kernels (`kernels`); a variant whose
+    trace holds none is dropped from then on, with the reason. Without it, the wall clock from the
+    first call to block_until_ready. Returns each kept variant's `reps` samples, and the reasons.
+    """
+    groups = [[n for n in g if n in variants] for g in (groups or [list(variants)])]
+    groups = [g for g in groups if g]
+    samples: dict[str, list[Sample]] = {n: [] for g in groups for n in g}
+    errors: dict[str, str] = {}
+    for r in range(warmup + reps):
+        k = r % len(groups) if groups else 0
+        for g in groups[k:] + groups[:k]:
+            for name in g if r % 2 == 0 else g[::-1]:
+                if name in errors:
+                    continue
+                call = variants[name]
+                t_settle = time.perf_counter() + settle_s
+                while time.perf_counter() < t_settle:
+                    jax.block_until_ready(call())
+                with kernels() if trace else contextlib.nullcontext() as traced:
+                    t0 = time.perf_counter()
+                    out = None
+                    for _ in range(calls):
+                        out = call()
+                    jax.block_until_ready(out)
+                    seconds = (time.perf_counter() - t0) / calls
+                if traced is not None:
+                    if not traced.kernels:
+                        errors[name] = f"no GPU kernels in the profile; its planes: {traced.layout}"
+                        del samples[name]
+                        continue
+                    seconds = traced.total_ns / calls / 1e9
+                if r >= warmup:
+                    samples[name].append(Sample(seconds, list(traced.kernels) if traced is not None else []))
+    return samples, errors

@@ -32,7 +32,6 @@ Usage (on the GPU machine): python bench/train_step.py [--impls sm90,cudnn] [--f
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
 import statistics
@@ -216,25 +215,11 @@ def main(argv=None):
             except Exception as e:  # a refusal (no Hopper GPU, ...)
                 errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 del variants[name]
-        names = list(variants)
-        samples = {n: [] for n in names}
-        for r in range(opts.warmup + opts.reps):
-            order = names if r % 2 == 0 else names[::-1]
-            for name in order:
-                fn = variants[name]
-                with trace_time.kernels() if opts.trace else contextlib.nullcontext() as traced:
-                    t0 = time.perf_counter()
-                    out = None
-                    for _ in range(opts.calls):
-                        out = fn(params, x)
-                    jax.block_until_ready(out)
-                    seconds = (time.perf_counter() - t0) / opts.calls
-                if traced is not None:
-                    if not traced.kernels:
-                        sys.exit(f"--trace: no GPU kernels in the profile of {name!r}; its planes: {traced.layout}")
-                    seconds = traced.total_ns / opts.calls / 1e9
-                if r >= opts.warmup:
-                    samples[name].append(seconds)
+        timed, no_kernels = trace_time.interleaved({n: lambda fn=fn: fn(params, x) for n, fn in variants.items()},
+                                                   opts.calls, opts.reps, warmup=opts.warmup, trace=opts.trace)
+        if no_kernels:
+            sys.exit(f"--trace: {no_kernels}")
+        samples = {n: [s.seconds for s in runs] for n, runs in timed.items()}
         med = {n: statistics.median(s) for n, s in samples.items()}
         how = (f"median of {opts.reps} samples of {opts.calls} steps"
                + (", device time of the step's kernels (JAX profiler)" if opts.trace else ""))
