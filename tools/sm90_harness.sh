@@ -9,9 +9,10 @@
 # Needs the CUTLASS headers in .cutlass/include (pip download --no-deps
 # nvidia-cutlass==4.2.0.0; unpack cutlass_library/source/include there) or
 # MAXATTN_CUTLASS_INCLUDE_DIR. Usage: tools/sm90_harness.sh [all|build|test|sanitize|perf]...
-# PERF_ARGS (e.g. "--shape 0") are passed to the timed runs.
+# PERF_ARGS (e.g. "--shape 0") are passed to the timed runs. HARNESS_DIR=build/prebuilt/<name>-<sha>
+# runs the harnesses built there (tools/prebuild_harness.sh) instead of building them: no build stage.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 out=${OUT:-$PWD/sm90_out}
 mkdir -p "$out"
 export PATH="$PATH:/usr/local/cuda/bin"
@@ -22,7 +23,7 @@ harnesses=${HARNESSES:-fwd bwd}
 want() { [[ " $stages " == *" all "* || " $stages " == *" $1 "* ]]; }
 rc=0
 
-if want build || want test || want sanitize || want perf; then
+if [ -z "${HARNESS_DIR:-}" ] && { want build || want test || want sanitize || want perf; }; then
   if [ ! -x "$build/tests/cuda/sm90_fwd_harness" ] || [ ! -x "$build/tests/cuda/sm90_bwd_harness" ] || want build; then
     echo "== build ($jobs jobs)"
     cmake -S . -B "$build" -DMAXATTN_BUILD_PYTHON=OFF -DMAXATTN_CUDA=OFF -DMAXATTN_SM90_HARNESS=ON \
@@ -48,7 +49,7 @@ if want build || want test || want sanitize || want perf; then
 fi
 
 for h in $harnesses; do
-  bin=$build/tests/cuda/sm90_${h}_harness
+  bin=${HARNESS_DIR:-$build/tests/cuda}/sm90_${h}_harness
   if want test; then
     echo "== numerics ($h)"
     timeout "${RUN_TIMEOUT:-300}" "$bin" --no-perf 2>&1 | tee "$out/test_$h.log" || rc=1
