@@ -12,7 +12,10 @@
 // max_logit[b, n] (max_logit[0, n] for the max over the batch rows;
 // float_max.cuh), also when it sees nothing, while its last
 // P V GEMM is in flight: no barrier between the consumer warpgroups, and the
-// reduction's latency is hidden behind the tensor cores.
+// reduction's latency is hidden behind the tensor cores. (Experiment,
+// kernel_config.h's MAXATTN_SM90_DEFER_MAX_LOGIT: a persistent CTA takes the
+// thread's share there and reduces and publishes it under its next tile's first
+// S GEMM instead.)
 #ifndef MAXATTN_SM90_EPILOGUE_H_
 #define MAXATTN_SM90_EPILOGUE_H_
 
@@ -35,45 +38,79 @@ template <class Config>
 struct Epilogue {
   using Element = typename Config::Element;
 
-  // This warp's share of max_logit[b, n]: the raw row maxima times the scale,
-  // NaN for a row whose sum is NaN, reduced by shuffles and a vote to one
-  // atomic max per warp (also when the warp sees nothing: the buffer starts
-  // below -inf). The row maxima are final after the last softmax update, so
-  // the consumer calls this while its last P V GEMM runs (mainloop_consumer.h):
-  // its latency hides behind the tensor cores. The partial row sums suffice for
-  // the NaN test: the quad's four threads all enter the vote.
-  template <class Softmax, class TensorC>
-  __device__ static void MaxLogit(const FwdArgs& args, const Tile& tile, const BlockMask& mask,
-                                  const Softmax& softmax, const TensorC& oc) {
-    using namespace cute;
-    if (args.max_logit == nullptr) return;
-    const int m0 = tile.m_block * Config::kBlockM;
-    // The row maxima are quad-uniform (QuadMax) and never NaN (fmaxf drops
-    // NaN); a NaN logit shows in the thread's partial row sum only. So the
-    // warp's max needs the three shuffles across quads, and its NaN one vote.
-    // Branch-free per row (a `continue` made the compiler keep the flag in
-    // a byte and merge it with PRMTs), the scale applied once to the warp's
-    // maximum (scale > 0, so max(scale * s) == scale * max(s) in fp32).
-    float thread_max = -INFINITY;
+  // This thread's share of a tile's max_logit, before the warp reduces it:
+  // the largest raw row maximum of its valid rows, and whether one of them
+  // saw a NaN logit. The row maxima are quad-uniform (QuadMax) and never NaN
+  // (fmaxf drops NaN); a NaN logit shows in the thread's partial row sum
+  // only, which suffices: the quad's four threads all enter the warp's vote.
+  // Branch-free per row (a `continue` made the compiler keep the flag in a
+  // byte and merge it with PRMTs). The row maxima are final after the last
+  // softmax update, so the consumer takes this while its last P V GEMM runs
+  // (mainloop_consumer.h).
+  struct MaxLogitShare {
+    float raw_max = -INFINITY;
     bool nan = false;
+    // The max_logit element it goes to (b * row stride + n: below 2^31, since B * N * 64 bf16
+    // elements of q fit the device); -1: nothing (Config::kDeferMaxLogit's carry).
+    int slot = -1;
+  };
+
+  // The max_logit element of a tile: max_logit[b, n], or max_logit[0, n] for
+  // the max over the batch rows (row stride 0).
+  __device__ static int64_t MaxLogitSlot(const FwdArgs& args, const Tile& tile) {
+    return static_cast<int64_t>(tile.batch) * args.max_logit_row_stride + tile.head;
+  }
+
+  template <class Softmax, class TensorC>
+  __device__ static MaxLogitShare ThreadMaxLogit(const FwdArgs& args, const Tile& tile, const BlockMask& mask,
+                                                 const Softmax& softmax, const TensorC& oc) {
+    using namespace cute;
+    MaxLogitShare share;
+    share.slot = static_cast<int>(MaxLogitSlot(args, tile));
+    const int m0 = tile.m_block * Config::kBlockM;
     CUTE_UNROLL
     for (int r = 0; r < size<0>(oc); ++r) {
       const bool valid = m0 + get<0>(oc(r, 0)) < mask.q_valid;
       const float row_max = softmax.row_max[r];
       const float sum = softmax.row_sum[r];
-      nan = nan | (valid & (sum != sum) & (row_max != INFINITY));
-      thread_max = valid ? fmaxf(thread_max, row_max) : thread_max;
+      share.nan = share.nan | (valid & (sum != sum) & (row_max != INFINITY));
+      share.raw_max = valid ? fmaxf(share.raw_max, row_max) : share.raw_max;
     }
-    nan = __any_sync(0xffffffffu, nan);
+    return share;
+  }
+
+  // The warp's shares of one tile reduced (three shuffles across the quads and
+  // one vote) into one atomic max into *dst (the tile's MaxLogitSlot;
+  // float_max.cuh), issued also when the warp saw nothing (the buffer starts
+  // below -inf). The scale is applied once, to the warp's maximum (scale > 0,
+  // so max(scale * s) == scale * max(s) in fp32). Every lane issues the
+  // reduction: the compiler merges the warp's into one (REDUX, one REDG)
+  // without the divergent branch a lane-0 test costs.
+  __device__ static void PublishMaxLogit(const FwdArgs& args, float* dst, const MaxLogitShare& share) {
+    const bool nan = __any_sync(0xffffffffu, share.nan);
+    float warp_max = share.raw_max;
     CUTE_UNROLL
     for (int offset = 16; offset >= 4; offset /= 2) {
-      thread_max = fmaxf(thread_max, __shfl_xor_sync(0xffffffffu, thread_max, offset));
+      warp_max = fmaxf(warp_max, __shfl_xor_sync(0xffffffffu, warp_max, offset));
     }
-    // Every lane holds the warp's value now, so every lane issues the
-    // reduction: the compiler merges the warp's into one (REDUX, one REDG)
-    // without the divergent branch a lane-0 test costs.
-    AtomicMaxFloat(args.max_logit + static_cast<int64_t>(tile.batch) * args.max_logit_row_stride + tile.head,
-                   nan ? __int_as_float(0x7fffffff) : thread_max * args.scale);
+    AtomicMaxFloat(dst, nan ? __int_as_float(0x7fffffff) : warp_max * args.scale);
+  }
+
+  // A carried share (Config::kDeferMaxLogit), if any, published; the carry is
+  // empty after. The test reads the slot through a shuffle so that the compiler
+  // knows it is warp-uniform: behind a per-thread test it could not merge the
+  // warp's atomics (REDUX, one REDG) and each lane issued its own REDG.
+  __device__ static void PublishPending(const FwdArgs& args, MaxLogitShare& carry) {
+    if (__shfl_sync(0xffffffffu, carry.slot, 0) >= 0) PublishMaxLogit(args, args.max_logit + carry.slot, carry);
+    carry.slot = -1;
+  }
+
+  // This warp's part of max_logit[b, n] for the tile, reduced and published now.
+  template <class Softmax, class TensorC>
+  __device__ static void MaxLogit(const FwdArgs& args, const Tile& tile, const BlockMask& mask,
+                                  const Softmax& softmax, const TensorC& oc) {
+    if (args.max_logit == nullptr) return;
+    PublishMaxLogit(args, args.max_logit + MaxLogitSlot(args, tile), ThreadMaxLogit(args, tile, mask, softmax, oc));
   }
 
   // o: this thread's fp32 accumulator fragment of the (kBlockM, H) tile

@@ -110,11 +110,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
   } else {
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
     typename Config::PipelineState state_k, state_v;
+    typename ConsumerMainloop<Config>::MaxLogitShare max_logit_carry;  // Config::kDeferMaxLogit
     auto consume = [&](const Tile& tile, int n_lo, int n_hi) {
       const BlockMask mask = BlockMask::Make(p.args, tile.batch, tile.m_block);
       ConsumerMainloop<Config>::template Run<Config::kTileLoop, Config::kSoftcap>(
           p.args, p.tma_o, smem, pipe_k, pipe_v, tile, mask, n_lo, n_hi, static_cast<int>(threadIdx.x) - 128,
-          state_k, state_v, q_loads & 1);
+          state_k, state_v, q_loads & 1, max_logit_carry);
       if (n_lo < n_hi) ++q_loads;
     };
     if constexpr (Config::kPersistentGrid) {
@@ -127,6 +128,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) FwdKernel(const __grid_co
         if (slot.index >= p.args.num_tiles) break;
         consume(slot.tile, slot.n_lo, slot.n_hi);
       }
+      // The last tile's max_logit share, when the shares are carried to the next tile.
+      if constexpr (Config::kDeferMaxLogit) Epilogue<Config>::PublishPending(p.args, max_logit_carry);
       // The last out stores have read shared memory before the CTA exits.
       if constexpr (Config::kTmaStoreOut) {
         if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();

@@ -102,6 +102,17 @@ constexpr int ForwardExp2Poly(int head_dim, bool softcap) {
   return softcap ? MAXATTN_SM90_H256_SOFTCAP_EXP2_POLY : MAXATTN_SM90_H256_EXP2_POLY;
 }
 
+// Persistent forwards: publish a tile's max_logit (the warp's shuffles, vote and atomic) while the
+// CTA's next tile waits for its first S = Q K^T, instead of under the tile's last P V GEMM, which at
+// H = 64 is too short to hide them (max_logit cost +0.8% there, ncu, "Seventeenth session"). Each
+// consumer thread carries its unreduced share (three registers) from one tile to the next; the last
+// share is published when the CTA runs out of tiles. Not at H = 256, where those registers raise the
+// consumers' spills from 24/28 to 58/64 bytes (stores/loads). An experiment, off by default until
+// timed: -DMAXATTN_SM90_DEFER_MAX_LOGIT=1 (with it off every instance's SASS is main's, byte for byte).
+#ifndef MAXATTN_SM90_DEFER_MAX_LOGIT
+#define MAXATTN_SM90_DEFER_MAX_LOGIT 0
+#endif
+
 // Whether a kernel for a head dim (with or without a soft cap) takes its tiles from FwdArgs::tile_counter.
 constexpr bool UsesTileCounter(int head_dim) {
   return IsPersistent(ForwardVariant(head_dim, false)) || IsPersistent(ForwardVariant(head_dim, true));
@@ -181,6 +192,7 @@ struct FwdConfig {
   static constexpr int kVariant = kVariant_;
   static constexpr bool kSoftcap = kSoftcap_;
   static constexpr bool kPersistentGrid = IsPersistent(kVariant);
+  static constexpr bool kDeferMaxLogit = kPersistentGrid && kHeadDim_ <= 128 && MAXATTN_SM90_DEFER_MAX_LOGIT != 0;
   // The loop each tile runs.
   static constexpr int kTileLoop = kVariant == kPersistent ? kOverlap
                                    : kVariant == kPersistentPingPong ? kPingPong : kVariant;

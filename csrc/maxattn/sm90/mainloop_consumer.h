@@ -25,14 +25,18 @@ struct ConsumerMainloop {
   using Pipeline = typename Config::Pipeline;
   using PipelineState = typename Config::PipelineState;
 
+  using MaxLogitShare = typename Epilogue<Config>::MaxLogitShare;
+
   template <int kVariant, bool kSoftcap>
   // state_k / state_v: the consumer read positions in the K and V pipelines,
   // carried from tile to tile by a persistent CTA. q_phase: parity of the Q
   // barrier for this tile (the count of earlier tiles that loaded Q).
+  // carry (Config::kDeferMaxLogit): the previous tile's unpublished max_logit
+  // share on entry, this tile's on exit (the caller publishes the last one).
   __device__ static void Run(const FwdArgs& args, const typename Config::TmaO& tma_o, SharedStorage& smem,
                              Pipeline& pipe_k, Pipeline& pipe_v,
                              const Tile& tile, const BlockMask& mask, int n_lo, int n_hi, int consumer_tid,
-                             PipelineState& state_k, PipelineState& state_v, int q_phase) {
+                             PipelineState& state_k, PipelineState& state_v, int q_phase, MaxLogitShare& carry) {
     using namespace cute;
     using BlockM = typename Config::BlockM;
     using BlockN = typename Config::BlockN;
@@ -76,6 +80,18 @@ struct ConsumerMainloop {
     clear(tOrO);
 
     const int m0 = tile.m_block * kBlockM;
+    // This tile's max_logit: published now, or (kDeferMaxLogit) kept in `carry`
+    // until the next tile's first S GEMM is in flight. flush: a share may still
+    // be pending (a tile with no key block has no such wait); publish it first.
+    auto max_logit = [&](bool flush) {
+      if constexpr (Config::kDeferMaxLogit) {
+        if (args.max_logit == nullptr) return;
+        if (flush) Epilogue<Config>::PublishPending(args, carry);
+        carry = Epilogue<Config>::ThreadMaxLogit(args, tile, mask, softmax, oc_rc);
+      } else {
+        Epilogue<Config>::MaxLogit(args, tile, mask, softmax, oc_rc);
+      }
+    };
     bool max_logit_done = false;
     if (n_lo < n_hi) {
       smem.barrier_q.wait(static_cast<uint32_t>(q_phase));
@@ -147,6 +163,8 @@ struct ConsumerMainloop {
         if constexpr (kTurns) NamedBarrierArrive(3 - wg, Config::kConsumerThreads);
         // Decided while the GEMM runs (with segment ids it reads a summary).
         bool need_mask = needs_mask(nb);
+        // The previous tile's max_logit, under this GEMM.
+        if constexpr (Config::kDeferMaxLogit) Epilogue<Config>::PublishPending(args, carry);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
         pipe_k.consumer_release(state_k);
@@ -181,8 +199,9 @@ struct ConsumerMainloop {
         if constexpr (kTurns) {
           if (wg == 0) NamedBarrierArrive(3, Config::kConsumerThreads);
         }
-        // The row maxima are final: max_logit while the last GEMM runs.
-        Epilogue<Config>::MaxLogit(args, tile, mask, softmax, oc_rc);
+        // The row maxima are final: max_logit while the last GEMM runs (the
+        // previous tile's went out under this tile's first S GEMM).
+        max_logit(false);
         max_logit_done = true;
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
@@ -192,7 +211,7 @@ struct ConsumerMainloop {
       // Q of this tile is no longer read: the producer may load the next one.
       smem.barrier_q_empty.arrive();
     }
-    if (!max_logit_done) Epilogue<Config>::MaxLogit(args, tile, mask, softmax, oc_rc);
+    if (!max_logit_done) max_logit(true);
     softmax.Finalize();
     Epilogue<Config>::Store(args, tma_o, smem.o.data(), tile, mask, softmax, tOrO, oc_rc, consumer_tid);
   }
