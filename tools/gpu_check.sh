@@ -13,8 +13,9 @@
 #                                            # the standalone sm90 harnesses (tools/sm90_harness.sh)
 #   STAGES=harness HARNESS_STAGES="test sanitize" HARNESS_DIR=build/prebuilt/main-abc1234 tools/gpu_check.sh
 #                                            # the same on harnesses built here (tools/prebuild_harness.sh)
-#   STAGES=peers tools/gpu_check.sh          # sm90 against FA3 in one process (bench/gpu_kernels.py --trace),
-#                                            # forward rows PEER_SHAPES, forward+backward rows PEER_BWD_SHAPES
+#   STAGES=peers PEERS="fwd bwd" tools/gpu_check.sh
+#                                            # issue 14/15 figures against FA3 from one process each
+#                                            # (bench/gpu_kernels.py --trace; PEERS parts: fwd, bwd, packed, train)
 #   STAGES=hotspots tools/gpu_check.sh       # stall samples per instruction (bench/ncu_hotspots.py) of our
 #                                            # forward and backward kernels (HOTSPOT_DIR: a prebuilt harness
 #                                            # folder) and of FA3's, at the (4,2048,32,32,128) causal row
@@ -146,11 +147,25 @@ with_fa3() {
 }
 
 if has peers; then
-  echo "== sm90 against FA3, same process (bench/gpu_kernels.py --trace)"
-  with_fa3 timeout ${PEERS_TIMEOUT:-240} $PY bench/gpu_kernels.py --impl sm90 --fa3 --trace --calls 5 --reps 5 \
-      --shapes ${PEER_SHAPES:-0,3,2,4,1} --json "$OUT/peers_fwd.json" 2>&1 | tee "$OUT/peers.log" || status=1
-  with_fa3 timeout ${PEERS_TIMEOUT:-240} $PY bench/gpu_kernels.py --impl sm90 --fa3 --bwd --trace --calls 3 --reps 5 \
-      --shapes ${PEER_BWD_SHAPES:-0,3,2,4} --json "$OUT/peers_bwd.json" 2>&1 | tee -a "$OUT/peers.log" || status=1
+  # Issue 14 and 15's figures, each part within one device call (PEERS picks; default "fwd bwd"):
+  #   fwd    forward rows PEER_SHAPES: sm90 with and without max_logit, with soft cap 50, and FA3
+  #   bwd    forward+backward rows PEER_BWD_SHAPES: sm90, sm90 with soft cap 50, our cuDNN path, FA3
+  #   packed (2,8192,16,16,128) with 8 documents per row against the same work unpacked and FA3 varlen
+  #   train  the training step with and without max_logit + QK-Clip (device time, JAX profiler)
+  for part in ${PEERS:-fwd bwd}; do
+    echo "== peers: $part"
+    case $part in
+      fwd) with_fa3 timeout ${PEERS_TIMEOUT:-500} $PY bench/gpu_kernels.py --impl sm90 --fa3 --trace --calls 5 --reps 5 \
+             --variants fwd,fwd+max,fwd+cap50,fa3 --shapes ${PEER_SHAPES:-0,3,2,4,1} --json "$OUT/peers_fwd.json" ;;
+      bwd) with_fa3 timeout ${PEERS_TIMEOUT:-500} $PY bench/gpu_kernels.py --impl sm90 --fa3 --bwd --trace --calls 3 --reps 5 \
+             --variants "fwd+bwd,cap50 fwd+bwd,cudnn fwd+bwd,fa3 fwd+bwd" --shapes ${PEER_BWD_SHAPES:-0,3,2,4} \
+             --json "$OUT/peers_bwd.json" ;;
+      packed) with_fa3 timeout ${PEERS_TIMEOUT:-500} $PY bench/packed.py --impl sm90 --rows 2 --json "$OUT/peers_packed.json" ;;
+      train) with_fa3 timeout ${PEERS_TIMEOUT:-500} $PY bench/train_step.py --impls sm90 --fa3 --trace \
+               --json "$OUT/peers_train.json" ;;
+      *) echo "PEERS: unknown part $part (fwd, bwd, packed, train)"; false ;;
+    esac 2>&1 | tee -a "$OUT/peers.log" || status=1
+  done
 fi
 
 if has hotspots; then
