@@ -152,12 +152,12 @@ struct Epilogue {
       float inv = empty ? 0.0f : 1.0f / sum;  // NaN stays NaN
       // __logf (MUFU.LG2 and a multiply; sum >= 1 here, so its absolute error is ~1e-7): logf's
       // correctly rounded software sequence was ~25 instructions per row on the tile's critical path.
-      float lse = empty ? -INFINITY : softmax.LogitOfMax(softmax.row_max[r]) + __logf(sum);
+      float lse = empty ? -INFINITY : softmax.RowLogit(r) + __logf(sum);
       if (has_sink) {
         if (empty) {
           lse = sink;
         } else {
-          const float logit = softmax.LogitOfMax(softmax.row_max[r]);
+          const float logit = softmax.RowLogit(r);
           const float top = fmaxf(logit, sink);  // sink = -inf or NaN: logit
           const float denom = fmaf(sum, expf(logit - top), expf(sink - top));
           lse = top + logf(denom);

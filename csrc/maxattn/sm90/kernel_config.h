@@ -113,6 +113,16 @@ constexpr int ForwardExp2Poly(int head_dim, bool softcap) {
 #define MAXATTN_SM90_DEFER_MAX_LOGIT 0
 #endif
 
+// The forward's online softmax moves a row's exponent offset only when the row maximum has grown
+// past it by more than 2^8 (softmax.h, kLazyRescaleLog2), so that most key blocks skip the rescale
+// of O (one multiply per accumulator element: 64 per thread and key block at H = 128, ~13% of the
+// loop's instructions) and the exponent of the correction. Not at H = 256 (spills 24/28 -> 44/60
+// bytes). Off by default until timed: -DMAXATTN_SM90_LAZY_RESCALE=1 (with it off every instance's
+// SASS is main's, byte for byte).
+#ifndef MAXATTN_SM90_LAZY_RESCALE
+#define MAXATTN_SM90_LAZY_RESCALE 0
+#endif
+
 // Whether a kernel for a head dim (with or without a soft cap) takes its tiles from FwdArgs::tile_counter.
 constexpr bool UsesTileCounter(int head_dim) {
   return IsPersistent(ForwardVariant(head_dim, false)) || IsPersistent(ForwardVariant(head_dim, true));
@@ -193,6 +203,7 @@ struct FwdConfig {
   static constexpr bool kSoftcap = kSoftcap_;
   static constexpr bool kPersistentGrid = IsPersistent(kVariant);
   static constexpr bool kDeferMaxLogit = kPersistentGrid && kHeadDim_ <= 128 && MAXATTN_SM90_DEFER_MAX_LOGIT != 0;
+  static constexpr bool kLazyRescale = kHeadDim_ <= 128 && MAXATTN_SM90_LAZY_RESCALE != 0;
   // The loop each tile runs.
   static constexpr int kTileLoop = kVariant == kPersistent ? kOverlap
                                    : kVariant == kPersistentPingPong ? kPingPong : kVariant;

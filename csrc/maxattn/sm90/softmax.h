@@ -37,7 +37,8 @@ __device__ __forceinline__ float TanhApprox(float x) {
   return y;
 }
 
-// 2^x on the FMA pipe instead of the MUFU unit, for x <= 0: x = n + f with
+// 2^x on the FMA pipe instead of the MUFU unit, for x < 127 (the softmax
+// passes x <= 0, or up to kLazyRescaleLog2 with the lazy rescale): x = n + f with
 // n = floor(x) (read from the mantissa of x + 1.5 * 2^23, rounded down), 2^f
 // on [0, 1) by a degree-3 polynomial (relative error 8.6e-5, below the
 // rounding of P to bf16 or fp16) and 2^n as a float built from its exponent
@@ -83,12 +84,24 @@ struct SoftmaxScales {
   float cap_log2 = 0.0f;
 };
 
+// kLazy (kernel_config.h, MAXATTN_SM90_LAZY_RESCALE): the exponent offset of a row stays where
+// it is until the row's maximum exceeds it by more than kLazyRescaleLog2 (log2 units), so that
+// P <= 2^8 (exact in the element type's range; the row sum and O are fp32) and a key block whose
+// maxima grew by less in every row of the warp leaves O and the row sums unscaled: Update sets
+// `rescale` false (warp-uniform) and the consumer skips Rescale, a multiply per accumulator
+// element. The offsets that were used are kept apart from the maxima (max_logit needs those).
+inline constexpr float kLazyRescaleLog2 = 8.0f;
+
 // kPoly: how many of every 4 columns of a thread's tile take Exp2Poly instead of the MUFU exp2
 // (each instance's count: kernel_config.h, ForwardExp2Poly).
-template <int kRows, bool kSoftcap = false, int kPoly = 0>
+template <int kRows, bool kSoftcap = false, int kPoly = 0, bool kLazy = false>
 struct OnlineSoftmax {
   float row_max[kRows];  // raw logits (unscaled), quad-uniform
   float row_sum[kRows];  // this thread's partial sum until Finalize()
+  // kLazy: the exponent offset each row uses now (log2 units; meaningless while row_max is -inf),
+  // and whether the last Update moved any row's offset in this warp (then O needs Rescale).
+  float row_offset[kLazy ? kRows : 1];
+  bool rescale = true;
   SoftmaxScales k;
 
   __device__ explicit OnlineSoftmax(const SoftmaxScales& scales) : k(scales) {
@@ -96,6 +109,7 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) {
       row_max[r] = -INFINITY;
       row_sum[r] = 0.0f;
+      if constexpr (kLazy) row_offset[r] = 0.0f;
     }
   }
 
@@ -112,6 +126,14 @@ struct OnlineSoftmax {
     else return m * k.scale;
   }
 
+  // The logit (natural units) that row r's exponents are relative to: its
+  // maximum's, or with kLazy the offset last set (sum >= 1 either way: the
+  // maximum's own term is exp2(>= 0)).
+  __device__ __forceinline__ float RowLogit(int r) const {
+    if constexpr (kLazy) return row_offset[r] * 0.69314718f;  // ln 2
+    else return LogitOfMax(row_max[r]);
+  }
+
   // s: (rows, cols) raw logits of one tile, replaced by unnormalised
   // probabilities. Returns in `correction` the factor by which the output
   // accumulator must be rescaled for the new row maxima (see Rescale).
@@ -120,15 +142,47 @@ struct OnlineSoftmax {
   __device__ void Update(TensorS& s, float (&correction)[kRows]) {
     using namespace cute;
     static_assert(decltype(size<0>(s))::value == kRows);
+    if constexpr (kLazy) {
+      // New maxima first, then one vote on whether any row of the warp moves its offset: a row
+      // that saw nothing so far (no entry is in its sum or O) takes its maximum's as is.
+      bool grow = false;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        float m = row_max[r];
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
+        m = QuadMax(m);
+        const float target = m == -INFINITY ? 0.0f : Log2Logit(m);
+        const bool fresh = row_max[r] == -INFINITY;  // nothing in its sum or O yet
+        grow = grow | fresh | (target > row_offset[r] + kLazyRescaleLog2);
+        if (fresh) row_offset[r] = -INFINITY;  // so its correction is 0 (fresh implies the vote)
+        correction[r] = target;  // until the vote
+        row_max[r] = m;
+      }
+      rescale = __any_sync(0xffffffffu, grow);
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        if (rescale) {
+          const float target = correction[r];
+          correction[r] = Exp2Approx(row_offset[r] - target);  // <= 1; 0 for a fresh row
+          row_offset[r] = target;
+        }
+      }
+    }
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float m = row_max[r];
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
-      m = QuadMax(m);
-      const float offset = m == -INFINITY ? 0.0f : Log2Logit(m);
-      correction[r] = Exp2Approx(Log2Logit(row_max[r]) - offset);
-      row_max[r] = m;
+      float offset;
+      if constexpr (kLazy) {
+        offset = row_offset[r];
+      } else {
+        float m = row_max[r];
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
+        m = QuadMax(m);
+        offset = m == -INFINITY ? 0.0f : Log2Logit(m);
+        correction[r] = Exp2Approx(Log2Logit(row_max[r]) - offset);
+        row_max[r] = m;
+      }
       float sum = 0.0f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
@@ -144,7 +198,8 @@ struct OnlineSoftmax {
         }
         sum += s(r, c);
       }
-      row_sum[r] = fmaf(row_sum[r], correction[r], sum);
+      if constexpr (kLazy) row_sum[r] = rescale ? fmaf(row_sum[r], correction[r], sum) : row_sum[r] + sum;
+      else row_sum[r] = fmaf(row_sum[r], correction[r], sum);
     }
   }
 
