@@ -176,7 +176,7 @@ def _trace_row(variants: list[str], shape_index: int, calls: int, impl: str, rep
     return {v: row[v] for v in variants}
 
 
-def _run(variant: str, shape_index: int, calls: int, impl: str) -> None:
+def _run_calls(variant: str, shape_index: int, calls: int, impl: str) -> None:
     """--run: the variant's calls with no profiler range, for a profiler that picks kernels by name and
     launch count (bench/ncu_hotspots.py -- python bench/gpu_kernels.py --run fa3 0 5 sm90)."""
     import jax
@@ -188,7 +188,7 @@ def _run(variant: str, shape_index: int, calls: int, impl: str) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("--child", "--run"):
-        (_child if sys.argv[1] == "--child" else _run)(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        (_child if sys.argv[1] == "--child" else _run_calls)(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=5)
