@@ -169,20 +169,28 @@ if has peers; then
 fi
 
 if has hotspots; then
-  echo "== stall samples per instruction, (4,2048,32,32,128) causal (bench/ncu_hotspots.py)"
+  echo "== stall samples per instruction, harness shape ${HOTSPOT_SHAPE:-0} ${HOTSPOT_ARGS:-} (bench/ncu_hotspots.py)"
   dir=${HOTSPOT_DIR:-$(find build/prebuilt -mindepth 1 -maxdepth 1 -type d -name 'main-*' 2>/dev/null | sort | tail -1)}
   dir=${dir:-build/sm90/tests/cuda}
   mkdir -p "$OUT/hotspots"
   hot() {  # name, kernel regex, command...
     local name=$1 kernel=$2; shift 2
-    with_fa3 timeout ${HOTSPOT_TIMEOUT:-180} $PY bench/ncu_hotspots.py --kernel "$kernel" --top 30 \
+    with_fa3 timeout ${HOTSPOT_TIMEOUT:-180} $PY bench/ncu_hotspots.py --kernel "$kernel" --top 30 --skip "${HOTSPOT_SKIP:-2}" \
         --out "/tmp/hot_$name" -- "$@" >"$OUT/hotspots/$name.txt" 2>&1 || status=1
     head -45 "$OUT/hotspots/$name.txt"
   }
-  hot ours_fwd FwdKernel "$dir/sm90_fwd_harness" --perf-only --shape 0
-  hot ours_bwd BwdKernel "$dir/sm90_bwd_harness" --perf-only --shape 0
-  hot fa3_fwd FlashAttnFwdSm90 $PY bench/gpu_kernels.py --run fa3 0 3 sm90
-  hot fa3_bwd FlashAttnBwdSm90 $PY bench/gpu_kernels.py --run "fa3 fwd+bwd" 0 3 sm90
+  # HOTSPOT_SHAPE: the harnesses' shape index (0 = (4,2048,32,32,128) causal, 4 = head dim 64);
+  # HOTSPOT_ARGS: more harness options for our kernels (e.g. "--softcap 50"). FA3 runs shape 0 only.
+  # HOTSPOT_SKIP: launches skipped before the profiled one (2; the forward harness alternates launches
+  # without and with max_logit, so 3 profiles one with it).
+  # shellcheck disable=SC2086  # HOTSPOT_ARGS is a list of harness options
+  hot ours_fwd FwdKernel "$dir/sm90_fwd_harness" --perf-only --shape "${HOTSPOT_SHAPE:-0}" ${HOTSPOT_ARGS:-}
+  # shellcheck disable=SC2086
+  hot ours_bwd BwdKernel "$dir/sm90_bwd_harness" --perf-only --shape "${HOTSPOT_SHAPE:-0}" ${HOTSPOT_ARGS:-}
+  if [ "${HOTSPOT_SHAPE:-0}" = 0 ] && [ -z "${HOTSPOT_ARGS:-}" ]; then
+    hot fa3_fwd FlashAttnFwdSm90 $PY bench/gpu_kernels.py --run fa3 0 3 sm90
+    hot fa3_bwd FlashAttnBwdSm90 $PY bench/gpu_kernels.py --run "fa3 fwd+bwd" 0 3 sm90
+  fi
 fi
 
 if has wheel; then
