@@ -77,11 +77,6 @@ struct ConsumerMainloop {
     constexpr int kRows = decltype(size<0>(s_rc))::value;
     const SoftmaxScales scales{args.scale, args.scale_log2, args.softcap, args.softcap_in, args.softcap_log2};
     OnlineSoftmax<kRows, kSoftcap, Config::kExp2Poly, Config::kLazyRescale> softmax(scales);
-    // O rescaled for the block's new row maxima: always, or with the lazy rescale only when an
-    // offset of the warp moved (softmax.h).
-    auto rescale_o = [&](const float (&correction)[kRows]) {
-      if (!Config::kLazyRescale || softmax.rescale) softmax.Rescale(o_rc, correction);
-    };
     clear(tOrO);
 
     const int m0 = tile.m_block * kBlockM;
@@ -135,7 +130,7 @@ struct ConsumerMainloop {
           pipe_k.consumer_release(state_k);
           const int n0 = nb * kBlockN;
           mask_and_update(needs_mask(nb), n0);
-          rescale_o(correction);
+          softmax.Rescale(o_rc, correction);
           ConvertFragment(tSrS, tOrP, convert);
           pipe_v.consumer_wait(state_v);
           IssueGemm<false, true>(mma_o, tOrP, tOrV(_, _, _, state_v.index()), tOrO);
@@ -195,7 +190,7 @@ struct ConsumerMainloop {
           warpgroup_fence_operand(tOrP);
           pipe_v.consumer_release(state_v);
           ++state_v;
-          rescale_o(correction);
+          softmax.Rescale(o_rc, correction);
           ConvertFragment(tSrS, tOrP, convert);
         }
         pipe_v.consumer_wait(state_v);

@@ -88,8 +88,8 @@ struct SoftmaxScales {
 // it is until the row's maximum exceeds it by more than kLazyRescaleLog2 (log2 units), so that
 // P <= 2^8 (exact in the element type's range; the row sum and O are fp32) and a key block whose
 // maxima grew by less in every row of the warp leaves O and the row sums unscaled: Update sets
-// `rescale` false (warp-uniform) and the consumer skips Rescale, a multiply per accumulator
-// element. The offsets that were used are kept apart from the maxima (max_logit needs those).
+// `rescale` false (warp-uniform) and Rescale, a multiply per accumulator element, returns at
+// once. The offsets that were used are kept apart from the maxima (max_logit needs those).
 inline constexpr float kLazyRescaleLog2 = 8.0f;
 
 // kPoly: how many of every 4 columns of a thread's tile take Exp2Poly instead of the MUFU exp2
@@ -134,6 +134,15 @@ struct OnlineSoftmax {
     else return LogitOfMax(row_max[r]);
   }
 
+  // Row r's running maximum after the tile s: its own and the tile's, across the quad.
+  template <class TensorS>
+  __device__ __forceinline__ float NewRowMax(const TensorS& s, int r) const {
+    float m = row_max[r];
+    CUTE_UNROLL
+    for (int c = 0; c < cute::size<1>(s); ++c) m = fmaxf(m, s(r, c));
+    return QuadMax(m);
+  }
+
   // s: (rows, cols) raw logits of one tile, replaced by unnormalised
   // probabilities. Returns in `correction` the factor by which the output
   // accumulator must be rescaled for the new row maxima (see Rescale).
@@ -148,10 +157,7 @@ struct OnlineSoftmax {
       bool grow = false;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        float m = row_max[r];
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
-        m = QuadMax(m);
+        const float m = NewRowMax(s, r);
         const float target = m == -INFINITY ? 0.0f : Log2Logit(m);
         const bool fresh = row_max[r] == -INFINITY;  // nothing in its sum or O yet
         grow = grow | fresh | (target > row_offset[r] + kLazyRescaleLog2);
@@ -175,10 +181,7 @@ struct OnlineSoftmax {
       if constexpr (kLazy) {
         offset = row_offset[r];
       } else {
-        float m = row_max[r];
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
-        m = QuadMax(m);
+        const float m = NewRowMax(s, r);
         offset = m == -INFINITY ? 0.0f : Log2Logit(m);
         correction[r] = Exp2Approx(Log2Logit(row_max[r]) - offset);
         row_max[r] = m;
@@ -203,9 +206,14 @@ struct OnlineSoftmax {
     }
   }
 
+  // O rescaled by Update's corrections; with kLazy only when that Update moved an offset of
+  // the warp (otherwise every correction is 1).
   template <class TensorO>
-  __device__ static void Rescale(TensorO& o, const float (&correction)[kRows]) {
+  __device__ void Rescale(TensorO& o, const float (&correction)[kRows]) const {
     using namespace cute;
+    if constexpr (kLazy) {
+      if (!rescale) return;
+    }
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
