@@ -18,7 +18,8 @@
 #                                            # (bench/gpu_kernels.py --trace; PEERS parts: fwd, bwd, packed, train)
 #   STAGES=hotspots tools/gpu_check.sh       # stall samples per instruction (bench/ncu_hotspots.py) of our
 #                                            # forward and backward kernels (HOTSPOT_DIR: a prebuilt harness
-#                                            # folder) and of FA3's, at the (4,2048,32,32,128) causal row
+#                                            # folder; HOTSPOT_SHAPE/ARGS/SKIP: see the stage) and, at the
+#                                            # (4,2048,32,32,128) causal row, of FA3's
 # The peers and hotspots stages install FA3 (flash-attn3-jax and einops, cp312 wheels in .whl/) into
 # /tmp/maxattn_fa3 when it is not importable already.
 #
